@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Build dist/vllm-<release>+dsa.sm120.<series>-*.whl from the pinned vLLM
+# release plus patches/series.
+#
+#   BUILD_MODE=precompiled (default)  compiled ops come from the pinned upstream
+#                                     wheel (sm_75 ... sm_120); no CUDA compile.
+#   BUILD_MODE=source                 full CUDA build; TORCH_CUDA_ARCH_LIST
+#                                     (default 12.0), MAX_JOBS and NVCC_THREADS
+#                                     (default from cores and memory, see
+#                                     scripts/patchseries/jobs.py).
+#   VENV=<dir>        build environment (default .venv; made if missing)
+#   VLLM_SRC=<dir>    use a clean vLLM git checkout at the pinned commit
+#                     instead of the sdist
+#   FORCE=1           rebuild even if the wheel for this series exists
+set -euo pipefail
+cd "$(dirname "$0")"
+
+BUILD_MODE=${BUILD_MODE:-precompiled}
+VENV=${VENV:-.venv}
+case "$BUILD_MODE" in precompiled|source) ;;
+  *) echo "error: BUILD_MODE must be precompiled or source, not '$BUILD_MODE'" >&2; exit 2;;
+esac
+
+step() { printf '\n==> %s\n' "$*"; }
+series() { python3 scripts/series.py "$@"; }
+
+step "build environment ($VENV)"
+TORCH_VERSION=$(series pin torch)
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+build_deps=("torch==$TORCH_VERSION" "setuptools>=77.0.3,<81" "setuptools-scm>=8"
+            "setuptools-rust>=1.9" "packaging>=24.2" "wheel" "jinja2>=3.1.6" "regex")
+[ "$BUILD_MODE" = source ] && build_deps+=("cmake>=3.26.1" "ninja")
+"$VENV/bin/python" -m pip install -q "${build_deps[@]}"
+
+step "patched source (vllm-src/)"
+series apply
+
+VERSION=$(series version)
+ARCHS=${TORCH_CUDA_ARCH_LIST:-12.0}
+STAMP=precompiled
+[ "$BUILD_MODE" = source ] && STAMP="source arch=$ARCHS"
+mkdir -p dist build
+existing=$(ls dist/vllm-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)
+if [ -n "$existing" ] && [ -z "${FORCE:-}" ] && [ "$(cat "$existing.mode" 2>/dev/null)" = "$STAMP" ]; then
+  step "up to date: $existing ($STAMP); FORCE=1 rebuilds"
+  exit 0
+fi
+
+# Build from a fresh copy of the committed tree so build products never
+# dirty vllm-src/ (where patches are edited).
+step "copy vllm-src/ to build/vllm"
+rm -rf build/vllm && mkdir -p build/vllm
+git -C vllm-src archive --format=tar HEAD | tar -x -C build/vllm
+
+env_args=(VLLM_VERSION_OVERRIDE="$VERSION" VLLM_TARGET_DEVICE=cuda)
+if [ "$BUILD_MODE" = precompiled ]; then
+  step "pinned upstream wheel (compiled ops)"
+  WHEEL=$(series fetch wheel)
+  env_args+=(VLLM_USE_PRECOMPILED=1 VLLM_PRECOMPILED_WHEEL_LOCATION="$WHEEL")
+else
+  command -v nvcc >/dev/null || { echo "error: BUILD_MODE=source needs nvcc (CUDA toolkit) on PATH" >&2; exit 1; }
+  read -r jobs threads < <(series jobs)
+  env_args+=(TORCH_CUDA_ARCH_LIST="$ARCHS" MAX_JOBS="$jobs" NVCC_THREADS="$threads")
+  echo "TORCH_CUDA_ARCH_LIST=$ARCHS MAX_JOBS=$jobs NVCC_THREADS=$threads"
+fi
+
+step "build wheel $VERSION ($BUILD_MODE); full log: build/wheel.log"
+rm -f dist/vllm-"$VERSION"-*.whl dist/vllm-"$VERSION"-*.whl.mode
+start=$SECONDS
+# The compiled ops are abi3: tag the wheel cp38-abi3 like upstream's, so it
+# installs on every Python that vLLM supports, not only the one that built it.
+env "${env_args[@]}" "$VENV/bin/python" -m pip wheel -v --no-build-isolation --no-deps \
+  --config-settings=--build-option=--py-limited-api=cp38 -w dist build/vllm >build/wheel.log 2>&1 </dev/null &
+pid=$!
+# Progress: the build is quiet for minutes, so report what it is doing.
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 20
+  last=$(grep -E '^ *(\[extract\]|copying|running|adding|Building|\[[0-9]+/[0-9]+\])' build/wheel.log | tail -n1 || true)
+  printf '  %4ss  %s\n' $((SECONDS - start)) "${last:0:110}"
+done
+if ! wait "$pid"; then
+  echo "error: wheel build failed; last lines of build/wheel.log:" >&2
+  tail -n 40 build/wheel.log >&2
+  exit 1
+fi
+built=$(ls dist/vllm-"$VERSION"-*.whl)
+echo "$STAMP" > "$built.mode"
+step "built $built in $((SECONDS - start)) s"

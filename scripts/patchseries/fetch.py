@@ -1,0 +1,147 @@
+"""Download release files from the package index pip is configured with.
+
+Files land in a cache outside the repository (`$VLLM_DSA_CACHE`, else
+`$XDG_CACHE_HOME/vllm-dsa-series`, else `~/.cache/vllm-dsa-series`), are checked
+against a pinned sha256 before use, and appear under their final name only
+once complete and verified, so an interrupted or corrupt download never
+poisons the cache. A verified cached file is used without touching the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html.parser
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from . import SeriesError
+
+_CHUNK = 1 << 20
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("VLLM_DSA_CACHE"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(xdg) / "vllm-dsa-series"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pip_index_urls() -> list[str]:
+    """index-url then extra-index-urls, exactly as `pip download` would see them
+    (configuration files and PIP_* variables, pip's own default otherwise)."""
+    probe = ("from pip._internal.commands import create_command\n"
+             "options, _ = create_command('download').parse_args([])\n"
+             "print(options.index_url, *options.extra_index_urls, sep='\\n')")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if result.returncode:
+        raise SeriesError(f"cannot read pip's index configuration:\n{result.stderr.strip()}")
+    return result.stdout.split()
+
+
+class _Anchors(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.links.append(href)
+
+
+def _project_page(index: str, project: str) -> tuple[str, list[str]]:
+    """Return (page url, file urls) of a PEP 503/691 simple-index page."""
+    page = index.rstrip("/") + "/" + project + "/"
+    parsed = urllib.parse.urlparse(page)
+    if parsed.scheme == "file":
+        path = Path(urllib.parse.unquote(parsed.path))
+        page = (path / "index.html").as_uri()
+    request = urllib.request.Request(
+        page,
+        headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = response.read().decode()
+        kind = response.headers.get("Content-Type", "")
+    if "json" in kind:
+        return page, [f["url"] for f in json.loads(body)["files"]]
+    parser = _Anchors()
+    parser.feed(body)
+    return page, parser.links
+
+
+def find_file_url(project: str, filename: str, indexes: list[str]) -> str:
+    tried = []
+    for index in indexes:
+        try:
+            page, links = _project_page(index, project)
+        except (urllib.error.URLError, OSError) as e:
+            tried.append(f"{index} ({getattr(e, 'reason', e)})")
+            continue
+        for link in links:
+            url = urllib.parse.urljoin(page, link)
+            name = urllib.parse.unquote(urllib.parse.urlparse(url).path.rsplit("/", 1)[-1])
+            if name == filename:
+                return url.split("#", 1)[0]
+        tried.append(index)
+    raise SeriesError(f"{filename} not found on the configured package indexes: {', '.join(tried)}")
+
+
+def _download(url: str, dest: Path) -> None:
+    with urllib.request.urlopen(url, timeout=120) as response, open(dest, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0)
+        done, shown = 0, -1
+        while chunk := response.read(_CHUNK):
+            out.write(chunk)
+            done += len(chunk)
+            if total and done * 10 // total != shown:  # a line every 10 %
+                shown = done * 10 // total
+                print(f"  {dest.name[:-5]}: {done >> 20}/{total >> 20} MiB", file=sys.stderr, flush=True)
+        if total and done != total:
+            raise SeriesError(f"download of {dest.name[:-5]} truncated: {done} of {total} bytes")
+
+
+def fetch_file(project: str, filename: str, sha256: str, indexes: list[str] | None = None) -> Path:
+    """Return the cached, verified path of `filename`, downloading it if needed."""
+    cache = cache_dir()
+    target = cache / filename
+    if target.exists():
+        actual = sha256_of(target)
+        if actual == sha256:
+            return target
+        raise SeriesError(
+            f"cached {target} has sha256 {actual}, the pin says {sha256}; "
+            "delete it to download again"
+        )
+    cache.mkdir(parents=True, exist_ok=True)
+    url = find_file_url(project, filename, indexes if indexes is not None else pip_index_urls())
+    part = cache / f"{filename}.{os.getpid()}.part"
+    print(f"downloading {filename}", file=sys.stderr, flush=True)
+    try:
+        _download(url, part)
+        actual = sha256_of(part)
+        if actual != sha256:
+            raise SeriesError(
+                f"sha256 mismatch for {filename}: expected {sha256}, got {actual}; "
+                "nothing was cached"
+            )
+        os.replace(part, target)
+    except (urllib.error.URLError, OSError) as e:
+        raise SeriesError(f"download of {filename} failed: {getattr(e, 'reason', e)}") from None
+    finally:
+        part.unlink(missing_ok=True)
+    return target

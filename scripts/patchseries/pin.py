@@ -1,0 +1,60 @@
+"""Reader of vllm-pin.txt: `key = value` lines, `#` comments."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import PIN_FILE, SeriesError
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+
+
+@dataclass(frozen=True)
+class Pin:
+    version: str
+    commit: str
+    sdist: str
+    sdist_sha256: str
+    wheel: str
+    wheel_sha256: str
+    torch: str
+
+
+def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
+    values: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if not sep or not key or not value:
+            raise SeriesError(f"{source}:{lineno}: expected 'key = value', got {raw!r}")
+        if key not in Pin.__dataclass_fields__:
+            raise SeriesError(f"{source}:{lineno}: unknown key {key!r}")
+        if key in values:
+            raise SeriesError(f"{source}:{lineno}: {key!r} given twice")
+        values[key] = value
+    missing = [k for k in Pin.__dataclass_fields__ if k not in values]
+    if missing:
+        raise SeriesError(f"{source}: missing {', '.join(missing)}")
+    for key in ("sdist_sha256", "wheel_sha256"):
+        if not _SHA256.match(values[key]):
+            raise SeriesError(f"{source}: {key} is not 64 lowercase hex digits")
+    if not _COMMIT.match(values["commit"]):
+        raise SeriesError(f"{source}: commit is not a hex commit id")
+    if not values["sdist"].startswith(f"vllm-{values['version']}"):
+        raise SeriesError(f"{source}: sdist {values['sdist']} is not version {values['version']}")
+    if not values["wheel"].startswith(f"vllm-{values['version']}-"):
+        raise SeriesError(f"{source}: wheel {values['wheel']} is not version {values['version']}")
+    return Pin(**values)
+
+
+def load_pin(path: Path = PIN_FILE) -> Pin:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SeriesError(f"cannot read {path}: {e.strerror}") from None
+    return parse_pin(text, path.name)

@@ -1,0 +1,45 @@
+"""Shared fixtures. Tests import vLLM from the installed wheel (see
+scripts/run-tests.sh) and the series tools from scripts/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run by `make test-gpu`)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `make test-gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def git_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A git identity for commits tests make, whatever the machine has."""
+    for key, value in {
+        "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost.invalid",
+        "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@localhost.invalid",
+    }.items():
+        monkeypatch.setenv(key, value)

@@ -1,0 +1,47 @@
+"""vllm-pin.txt: the one reader every script uses."""
+
+import pytest
+
+from patchseries import SeriesError
+from patchseries.pin import load_pin, parse_pin
+
+GOOD = """\
+# comment
+version = 0.23.0
+commit = 91df0fad4   # trailing comment
+sdist = vllm-0.23.0.tar.gz
+sdist_sha256 = {sha}
+wheel = vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl
+wheel_sha256 = {sha}
+torch = 2.11.0
+"""
+SHA = "ab" * 32
+
+
+def test_parses_every_key():
+    pin = parse_pin(GOOD.format(sha=SHA))
+    assert pin.version == "0.23.0"
+    assert pin.commit == "91df0fad4"
+    assert pin.wheel == "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert pin.sdist_sha256 == SHA and pin.torch == "2.11.0"
+
+
+@pytest.mark.parametrize("text, message", [
+    (GOOD.format(sha=SHA).replace("torch = 2.11.0\n", ""), "missing torch"),
+    (GOOD.format(sha=SHA) + "torch = 2.12.0\n", "'torch' given twice"),
+    (GOOD.format(sha=SHA) + "colour = blue\n", "unknown key 'colour'"),
+    (GOOD.format(sha=SHA) + "just words\n", "expected 'key = value'"),
+    (GOOD.format(sha="XYZ"), "not 64 lowercase hex"),
+    (GOOD.format(sha=SHA).replace("sdist = vllm-0.23.0", "sdist = vllm-0.22.0"), "is not version"),
+])
+def test_rejects_malformed(text, message):
+    with pytest.raises(SeriesError, match=message):
+        parse_pin(text)
+
+
+def test_repository_pin_is_the_release_we_patch():
+    pin = load_pin()
+    assert pin.version == "0.23.0"
+    assert pin.torch == "2.11.0"
+    assert pin.sdist_sha256 == "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5"
+    assert pin.wheel_sha256 == "872aeb7c36a1ea942216af067ce870ffdf960804e829367e1b4eb36d4831c03c"

@@ -1,0 +1,51 @@
+"""The installed wheel is the patched tree, labelled with the series."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patchseries.pin import load_pin
+from patchseries.tree import UPSTREAM_TAG, read_series, series_digest
+
+VLLM_SRC = Path(__file__).resolve().parents[1] / "vllm-src"
+
+
+@pytest.fixture(scope="module")
+def installed() -> Path:
+    dist = importlib.metadata.distribution("vllm")
+    return Path(dist.locate_file("vllm"))
+
+
+def test_import_reports_the_series_version(repo):
+    pin = load_pin()
+    expected = f"{pin.version}+dsa.sm120.{series_digest(read_series(repo / 'patches'))[:8]}"
+    # A fresh interpreter, as a user would import it.
+    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == expected
+    assert importlib.metadata.version("vllm") == expected
+
+
+def test_changed_files_are_installed_byte_identical(installed):
+    assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
+    changed = subprocess.run(
+        ["git", "-C", str(VLLM_SRC), "diff", "--name-only", "--diff-filter=AM",
+         f"{UPSTREAM_TAG}..HEAD", "--", "vllm/"],
+        capture_output=True, text=True, check=True).stdout.split()
+    for name in changed:
+        ours = (VLLM_SRC / name).read_bytes()
+        theirs = installed.parent / name
+        assert theirs.exists(), f"{name} is not in the installed package"
+        assert theirs.read_bytes() == ours, f"{name} differs from vllm-src/"
+
+
+def test_compiled_ops_come_from_the_pinned_wheel(installed):
+    # The precompiled build ships upstream's ops (with sm_120 code); make sure
+    # they are in the package users install.
+    for so in ("_C.abi3.so", "_C_stable_libtorch.abi3.so", "_moe_C.abi3.so", "_flashmla_C.abi3.so"):
+        assert (installed / so).stat().st_size > 1_000_000, so
