@@ -1,0 +1,232 @@
+"""Tiny random-weight GLM-5 / DeepSeek checkpoints, converted to GGUF by
+llama.cpp's own converter (from the pinned llama-cpp-python sdist) once per
+test session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+LLAMA_CPP_PYTHON = "llama-cpp-python"
+LLAMA_CPP_PYTHON_SDIST = "llama_cpp_python-0.3.36.tar.gz"
+LLAMA_CPP_PYTHON_SHA256 = (
+    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+)
+# What the converter needs from the sdist, relative to its llama.cpp dir.
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+HERE = Path(__file__).resolve().parent
+
+# Real MLA head geometry; everything else tiny. Hidden sizes are multiples
+# of 32 so that the converter quantizes to Q8_0 where a real file would.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=128,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    first_k_dense_replace=1,
+    max_position_embeddings=1024,
+    topk_method="noaux_tc",
+)
+_DSA = dict(index_n_heads=4, index_head_dim=128, index_topk=16)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    path: Path
+    num_hidden_layers: int
+    num_mtp_layers: int
+
+
+def _extract_converter(sdist: Path, dest: Path) -> Path:
+    root = None
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            top, _, rest = member.name.partition("/vendor/llama.cpp/")
+            if rest and rest.startswith(_CONVERTER_PARTS):
+                root = dest / top / "vendor" / "llama.cpp"
+                members.append(member)
+        tar.extractall(dest, members=members, filter="data")
+    assert root is not None and (root / "convert_hf_to_gguf.py").is_file(), (
+        f"{sdist.name} has no vendor/llama.cpp converter"
+    )
+    return root
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from patchseries.fetch import fetch_file
+
+    sdist = fetch_file(
+        LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON_SDIST, LLAMA_CPP_PYTHON_SHA256
+    )
+    return _extract_converter(sdist, tmp_path_factory.mktemp("llama_cpp"))
+
+
+def _save_glm(path: Path) -> Checkpoint:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
+
+    geometry = dict(
+        _COMMON,
+        **_DSA,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+    )
+    layers, mtp = 3, 1
+    # The MTP block is an ordinary decoder layer plus the NextN projections;
+    # transformers does not model it, so build layer `layers` with one more
+    # layer and append the NextN tensors, as GLM-5 checkpoints store them.
+    torch.manual_seed(1234)
+    full = AutoModelForCausalLM.from_config(
+        GlmMoeDsaConfig(num_hidden_layers=layers + mtp, **geometry)
+    )
+    full.save_pretrained(path)
+    config = GlmMoeDsaConfig(
+        num_hidden_layers=layers, num_nextn_predict_layers=mtp, **geometry
+    )
+    config.architectures = ["GlmMoeDsaForCausalLM"]
+    config.save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    hidden = geometry["hidden_size"]
+    for layer in range(layers, layers + mtp):
+        prefix = f"model.layers.{layer}."
+        state[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            state[prefix + norm + ".weight"] = 1 + 0.1 * torch.randn(hidden)
+    _randomize_norms(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return Checkpoint("glm", path, layers, mtp)
+
+
+def _save_deepseek(path: Path, v32: bool) -> Checkpoint:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if v32:
+        from transformers import DeepseekV32Config as Config
+
+        extra = dict(_DSA)
+        arch = "DeepseekV32ForCausalLM"
+    else:
+        from transformers import DeepseekV3Config as Config
+
+        extra = {}
+        arch = "DeepseekV3ForCausalLM"
+    # Odd head count, DeepSeek's qk_nope 128 / v_head 128.
+    config = Config(
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        **_COMMON,
+        **extra,
+    )
+    config.architectures = [arch]
+    torch.manual_seed(4321 + v32)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    _randomize_norms(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return Checkpoint("dsv32" if v32 else "dsv3", path, 2, 0)
+
+
+def _randomize_norms(state: dict) -> None:
+    import torch
+
+    # Fresh init leaves norms at 1 and biases at 0; make every value count.
+    for name, tensor in state.items():
+        if tensor.ndim == 1:
+            state[name] = tensor + 0.1 * torch.randn_like(tensor)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "glm": _save_glm(root / "glm"),
+        "dsv3": _save_deepseek(root / "dsv3", v32=False),
+        "dsv32": _save_deepseek(root / "dsv32", v32=True),
+    }
+
+
+# (checkpoint, variant): variant is an outtype, optionally with a suffix.
+GGUF_VARIANTS = [
+    ("glm", "f32"),
+    ("glm", "f16"),
+    ("glm", "bf16"),
+    ("glm", "q8_0"),
+    ("glm", "f16-split"),
+    ("glm", "q8_0-legacy"),
+    ("dsv3", "f16"),
+    ("dsv3", "q8_0"),
+    ("dsv3", "f32-legacy"),
+    ("dsv32", "f16"),
+]
+
+
+@pytest.fixture(scope="session")
+def gguf_files(
+    tmp_path_factory: pytest.TempPathFactory,
+    llama_cpp_dir: Path,
+    checkpoints: dict[str, Checkpoint],
+) -> dict[tuple[str, str], Path]:
+    """(checkpoint, variant) -> GGUF path (first shard for split sets)."""
+    out = tmp_path_factory.mktemp("gguf")
+    jobs, files = [], {}
+    for name, variant in GGUF_VARIANTS:
+        outtype, _, suffix = variant.partition("-")
+        job = {
+            "model": str(checkpoints[name].path),
+            "outtype": outtype,
+            "outfile": str(out / f"{name}-{variant}.gguf"),
+        }
+        if suffix == "split":
+            job["split_max_tensors"] = 30
+        if suffix == "legacy":
+            job["legacy_kv_b"] = True
+        jobs.append(job)
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "llama_cpp_convert.py"),
+            str(llama_cpp_dir),
+            str(out / "jobs.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, (
+        f"llama.cpp converter failed:\n{result.stderr[-4000:]}"
+    )
+    for (name, variant), job in zip(GGUF_VARIANTS, jobs, strict=True):
+        path = Path(job["outfile"])
+        if variant.endswith("-split"):
+            shards = sorted(out.glob(f"{path.stem}-0*-of-*.gguf"))
+            assert len(shards) > 1, f"converter wrote no shard set for {path.name}"
+            path = shards[0]
+        assert path.is_file(), f"converter wrote no {path.name}"
+        files[(name, variant)] = path
+    return files

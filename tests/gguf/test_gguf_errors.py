@@ -1,0 +1,107 @@
+"""Broken or mismatched GGUF input fails early with the cause, not with a
+traceback from deep inside the loader (patches 0001 and 0002)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+from gguf_checks import run_loader
+from transformers import AutoConfig
+
+
+def _edit_header(src: Path, dst: Path, old: bytes, new: bytes) -> Path:
+    """Copy `src` with `old` replaced by `new` (same length) in the metadata
+    and tensor-info header only, leaving tensor data and offsets intact."""
+    assert len(old) == len(new)
+    header_end = gguf.GGUFReader(src).data_offset
+    data = bytearray(src.read_bytes())
+    header = bytes(data[:header_end])
+    assert old in header, f"{old!r} not in the header of {src.name}"
+    data[:header_end] = header.replace(old, new)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def glm_config(checkpoints):
+    return AutoConfig.from_pretrained(checkpoints["glm"].path)
+
+
+def test_unknown_gguf_arch_is_named(tmp_path, gguf_files, glm_config):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    src = gguf_files[("glm", "f16")]
+    bad = _edit_header(src, tmp_path / "odd-arch.gguf", b"glm-dsa", b"glm-zzz")
+    with pytest.raises(GGUFCheckpointError, match="'glm-zzz'"):
+        run_loader(bad, glm_config)
+
+
+def test_gguf_arch_not_matching_the_config_is_named(gguf_files, glm_config):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    with pytest.raises(GGUFCheckpointError, match="'deepseek2'.*'glm_moe_dsa'"):
+        run_loader(gguf_files[("dsv3", "f16")], glm_config)
+
+
+@pytest.mark.parametrize(
+    "hidden, named",
+    [
+        (["attn_v_b"], "blk.1.attn_v_b.weight"),
+        (["attn_k_b"], "blk.1.attn_k_b.weight"),
+        (["attn_k_b", "attn_v_b"], "blk.1.attn_k_b.weight"),
+    ],
+)
+def test_missing_mla_factor_is_named(tmp_path, gguf_files, glm_config, hidden, named):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    path = gguf_files[("glm", "q8_0")]
+    for i, tensor in enumerate(hidden):
+        # Rename the tensor in place: the file keeps a consistent layout.
+        old = f"blk.1.{tensor}.weight".encode()
+        new = f"blk.1.{tensor[:-1]}X.weight".encode()
+        path = _edit_header(path, tmp_path / f"no-factor-{i}.gguf", old, new)
+    with pytest.raises(GGUFCheckpointError, match=named.replace(".", r"\.")):
+        run_loader(path, glm_config)
+
+
+@pytest.mark.parametrize("keep", ["header", "data"])
+def test_truncated_file(tmp_path, gguf_files, glm_config, keep):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    src = gguf_files[("glm", "q8_0")]
+    data = src.read_bytes()
+    cut = 200 if keep == "header" else len(data) - 4096
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[:cut])
+    with pytest.raises(GGUFCheckpointError, match="truncated"):
+        run_loader(bad, glm_config)
+
+
+def test_shard_set_with_a_missing_shard(tmp_path, gguf_files, glm_config):
+    from vllm.model_executor.model_loader.gguf_loader import GGUFModelLoader
+
+    first = gguf_files[("glm", "f16-split")]
+    shards = GGUFModelLoader._get_all_gguf_files(str(first))
+    for shard in shards:
+        if "-00002-of-" not in shard:
+            shutil.copy(shard, tmp_path)
+    missing = Path(shards[1]).name
+    with pytest.raises(FileNotFoundError, match=missing):
+        run_loader(tmp_path / first.name, glm_config)
+
+
+def test_mtp_draft_from_a_file_without_the_block(checkpoints, gguf_files):
+    import copy
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    # DeepSeek-V3's converter drops the NextN block.
+    config = AutoConfig.from_pretrained(checkpoints["dsv3"].path)
+    config.num_nextn_predict_layers = 1
+    draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
+    with pytest.raises(GGUFCheckpointError, match="no NextN/MTP block blk.2"):
+        run_loader(gguf_files[("dsv3", "q8_0")], draft)
