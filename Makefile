@@ -3,7 +3,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: build-wheel apply patches test test-gpu bench clean
+.PHONY: build-wheel apply patches rebase compat test test-gpu bench clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
@@ -17,6 +17,15 @@ apply:
 patches:
 	python3 scripts/series.py export
 
+## rebase: carry the series to VLLM_VERSION=<release|newest> (or VLLM_SRC=<checkout> VLLM_REF=<commit>)
+## in vllm-rebase/ and print each patch's fate; WRITE=1 rewrites patches/ + vllm-pin.txt on success
+rebase:
+	python3 scripts/series.py rebase
+
+## compat: regenerate docs/compatibility.md (the series on several vLLM releases)
+compat:
+	python3 scripts/series.py compat
+
 ## test: build and install the wheel into $(VENV), run the CPU test suite
 test:
 	scripts/run-tests.sh
@@ -24,6 +33,10 @@ test:
 ## test-gpu: the tests that need a CUDA GPU (run on a GPU machine)
 test-gpu:
 	PYTEST_MARK=gpu scripts/run-tests.sh
+
+## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
+bench:
+	scripts/run-bench.sh
 
 clean:
 	rm -rf build dist vllm-src.new

@@ -28,6 +28,7 @@ as in vLLM's CUDA-graph decode. FLOPs = 2*s_q*h_q*topk*(576+
 # ruff: noqa: E501, B023
 import argparse
 import datetime
+import json
 import subprocess
 import sys
 
@@ -482,6 +483,12 @@ def main():
         "--sweep", action="store_true", help="also time config / split variants"
     )
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument(
+        "--picks",
+        default=None,
+        help='JSON file {"<major>,<bucket>": [config fields]}: prefill configs '
+        "to time instead of the module's tables (e.g. from a separate sweep)",
+    )
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
     ap.add_argument("--heads", nargs="+", type=int, default=H_LIST)
     ap.add_argument("--sq", nargs="+", type=int, default=SQ_LIST)
@@ -541,6 +548,12 @@ def main():
                 "| pick | case | rel err vs fp64 | |",
                 "|---|---|---:|---|",
             ] + check_picks(picks)
+    if args.picks:
+        with open(args.picks) as f:
+            for key, fields in json.load(f).items():
+                major, bkt = (int(x) for x in key.split(","))
+                picks[(major, bkt)] = SparseMLAConfig(*fields)
+        print("prefill picks:", picks, flush=True)
     if args.no_bench:
         print("\n".join(sweep))
         return

@@ -7,6 +7,14 @@
   series.py version               the wheel version: <release>+dsa.sm120.<series digest>
   series.py jobs                  MAX_JOBS NVCC_THREADS for BUILD_MODE=source
   series.py pin KEY               one value of vllm-pin.txt
+  series.py rebase [--write]      carry patches/ onto VLLM_VERSION=<release|newest>, or onto
+                                  VLLM_SRC=<git checkout> VLLM_REF=<commit>, in vllm-rebase/;
+                                  print one row per patch. --write (or WRITE=1): rewrite
+                                  patches/ and vllm-pin.txt when nothing conflicts.
+                                  Exit status 0: the series carried over; 3: it did not.
+  series.py rebase --finish       after resolving conflicts in vllm-rebase/ by hand
+                                  (git am --continue): write patches/ and vllm-pin.txt
+  series.py compat [VERSION...]   docs/compatibility.md: the series on each release
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patchseries import SeriesError  # noqa: E402
 from patchseries.fetch import fetch_file  # noqa: E402
 from patchseries.jobs import jobs_from_environment  # noqa: E402
+from patchseries import rebase  # noqa: E402
 from patchseries.pin import load_pin  # noqa: E402
 from patchseries.tree import apply_series, export_series, read_series, series_digest  # noqa: E402
 
@@ -28,6 +37,40 @@ LOCAL_LABEL = "dsa.sm120"
 
 def wheel_version(pin, patches) -> str:
     return f"{pin.version}+{LOCAL_LABEL}.{series_digest(patches)[:8]}"
+
+
+def rebase_command(pin, write: bool) -> int:
+    version, src, ref = (os.environ.get(k) for k in ("VLLM_VERSION", "VLLM_SRC", "VLLM_REF"))
+    if bool(version) == bool(src) or bool(src) != bool(ref):
+        raise SeriesError("give VLLM_VERSION=<release|newest>, or VLLM_SRC=<git checkout> "
+                          "with VLLM_REF=<commit>")
+    target = (rebase.release_target(version) if version
+              else rebase.checkout_target(Path(src).resolve(), ref))
+    if target.pin:
+        print(f"target vLLM {target.pin.version}: commit {target.pin.commit}, "
+              f"torch {target.pin.torch}\n  {target.pin.sdist} sha256 {target.pin.sdist_sha256}"
+              f"\n  {target.pin.wheel} sha256 {target.pin.wheel_sha256}")
+    try:
+        outcome = rebase.rebase(target, pin, write=write)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: patches/ and vllm-pin.txt are unchanged; the partial work is in "
+              f"{rebase.REBASE_TREE.name}/", file=sys.stderr)
+        return 130
+    print(f"\n{target.describe()}:\n{rebase.format_table(outcome.results)}")
+    if not outcome.carried:
+        print(rebase.instructions(rebase.REBASE_TREE, outcome))
+        return 3
+    if outcome.written:
+        dropped = [r.name for r in outcome.results if r.status == rebase.OBSOLETE]
+        print(f"\nThe series carried over: patches/ and vllm-pin.txt now target vLLM "
+              f"{target.version}"
+              + (f"; dropped as obsolete: {', '.join(dropped)}" if dropped else "")
+              + ". Run `make apply` to refresh vllm-src/.")
+    else:
+        print(f"\nThe series carried over (branch main of {rebase.REBASE_TREE.name}/). "
+              + ("Re-run with WRITE=1 (or --write) to rewrite patches/ and vllm-pin.txt."
+                 if target.pin else "It is no release on the index: vllm-pin.txt cannot name it."))
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -50,6 +93,15 @@ def main(argv: list[str]) -> int:
         print(*jobs_from_environment())
     elif command == "pin" and len(args) == 1 and hasattr(pin, args[0]):
         print(getattr(pin, args[0]))
+    elif command == "rebase" and args == ["--finish"]:
+        written = rebase.finish()
+        print(f"wrote {len(written)} patches to patches/ and vllm-pin.txt")
+    elif command == "rebase" and args in ([], ["--write"]):
+        write = bool(args) or os.environ.get("WRITE", "") in ("1", "yes", "true")
+        return rebase_command(pin, write)
+    elif command == "compat":
+        rebase.compat(args or None)
+        print(f"wrote {rebase.COMPAT_DOC.relative_to(rebase.REPO_ROOT)}")
     else:
         print(f"series.py: bad command {' '.join(argv)!r}\n{__doc__}", file=sys.stderr)
         return 2

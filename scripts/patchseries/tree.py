@@ -121,7 +121,9 @@ def import_upstream(pin: Pin, dest: Path, src: Path | None = None) -> None:
 def apply_patches(tree: Path, patches: list[Path]) -> None:
     for i, patch in enumerate(patches, 1):
         print(f"[{i}/{len(patches)}] {patch.name}", flush=True)
-        result = git(tree, *_AM_IDENTITY, "am", "--3way", "--keep-cr", str(patch), check=False)
+        # --keep-non-patch: a "[Kernel] ..." subject keeps its tag on export.
+        result = git(tree, *_AM_IDENTITY, "am", "--3way", "--keep-cr", "--keep-non-patch",
+                     str(patch), check=False)
         if result.returncode:
             conflicts = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
             git(tree, "am", "--abort", check=False)

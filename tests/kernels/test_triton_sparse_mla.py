@@ -118,17 +118,24 @@ def cpu_dtypes():
 # ---------------------------------------------------------------------------
 
 
-def with_prefetch(q, path, prefetch):
-    """The config this device would pick, with the register prefetch forced
-    on or off (both loop variants are tested whatever the table says)."""
+# The kernel's three loop variants are all tested, whatever the tables pick.
+VARIANTS = {
+    "plain": {"prefetch": False, "hoist": False},
+    "prefetch": {"prefetch": True, "hoist": False},
+    "hoist": {"prefetch": False, "hoist": True},
+}
+
+
+def with_variant(q, path, variant):
+    """The config this device would pick, with the loop variant forced."""
     cap = torch.cuda.get_device_capability() if CUDA else (12, 0)
-    return get_config(cap, q.shape[1], q.dtype, path)._replace(prefetch=prefetch)
+    return get_config(cap, q.shape[1], q.dtype, path)._replace(**VARIANTS[variant])
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", cpu_dtypes())
 @pytest.mark.parametrize("h_q", [1, 3, 8, 64])
-def test_prefill_masks_duplicates_empty_row(dtype, h_q, prefetch):
+def test_prefill_masks_duplicates_empty_row(dtype, h_q, variant):
     gen = torch.Generator().manual_seed(100 + h_q)
     s_q, s_kv, topk = 4, 40, 37  # topk is not a multiple of any BLOCK_N
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk, dtype, gen=gen)
@@ -137,7 +144,7 @@ def test_prefill_masks_duplicates_empty_row(dtype, h_q, prefetch):
         DEV
     )  # all invalid
     out = nan_out(s_q, h_q, dtype)
-    cfg = with_prefetch(q, "prefill", prefetch)
+    cfg = with_variant(q, "prefill", variant)
     res = sparse_mla_fwd(q, kv, idx, SCALE, D_V, out=out, num_splits=1, config=cfg)
     assert res[0].data_ptr() == out.data_ptr()
     check(res, ref_sparse_mla(q, kv, idx, SCALE), dtype, empty_rows=[2])
@@ -171,12 +178,12 @@ def test_strided_kv_rows_and_out_view():
     assert not torch.isnan(big[:, :, D_V:]).any()
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", cpu_dtypes())
 @pytest.mark.parametrize(
     "h_q,num_splits", [(3, 2), (16, 3), (8, 7), (64, 4), (5, None)]
 )
-def test_decode_split_path(dtype, h_q, num_splits, prefetch):
+def test_decode_split_path(dtype, h_q, num_splits, variant):
     gen = torch.Generator().manual_seed(11 * h_q + (num_splits or 0))
     s_q, s_kv, topk = 3, 80, 100
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk, dtype, gen=gen)
@@ -184,7 +191,7 @@ def test_decode_split_path(dtype, h_q, num_splits, prefetch):
     idx[1, 0] = -1  # a row with nothing valid
     idx[2, 0, 10:30] = idx[2, 0, 40]  # duplicates across splits
     out = nan_out(s_q, h_q, dtype)
-    cfg = with_prefetch(q, "decode", prefetch) if num_splits else None
+    cfg = with_variant(q, "decode", variant) if num_splits else None
     res = sparse_mla_fwd(
         q, kv, idx, SCALE, D_V, out=out, num_splits=num_splits, config=cfg
     )

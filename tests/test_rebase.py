@@ -1,0 +1,355 @@
+"""Carrying the series to another vLLM (scripts/patchseries/rebase.py).
+
+Fixture repositories cover the conflict / write / interrupt paths in seconds;
+one test rebases the real series onto the real vLLM 0.24.0 release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from patchseries import SeriesError
+from patchseries import rebase as rb
+from patchseries.fetch import fetch_file
+from patchseries.pin import Pin, load_pin
+from patchseries.tree import apply_series, export_series, read_series
+
+
+def run_git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def edit(repo: Path, path: str, old: str | None, new: str | None) -> None:
+    """Replace text in a file (old None: create it; new None: delete it)."""
+    f = repo / path
+    if new is None:
+        f.unlink()
+    else:
+        f.write_text(new if old is None else f.read_text().replace(old, new, 1))
+
+
+def commit(repo: Path, subject: str) -> str:
+    run_git(repo, "add", "-A")
+    run_git(repo, "commit", "-q", "-m", f"{subject}\n\nUpstream-Status: Pending")
+    return run_git(repo, "rev-parse", "HEAD")
+
+
+def fake_pin(version: str, commit_id: str) -> Pin:
+    return Pin(version=version, commit=commit_id[:12], sdist=f"vllm-{version}.tar.gz",
+               sdist_sha256="1" * 64, wheel=f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl",
+               wheel_sha256="2" * 64, torch="2.11.0")
+
+
+def snapshot(*dirs: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for d in dirs for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def project(tmp_path: Path, git_env):
+    """A fixture 'vLLM' checkout at release 1.0, and a copy of the project's
+    patches/ + vllm-pin.txt holding a four-patch series made by the tools."""
+    up = tmp_path / "upstream"
+    up.mkdir()
+    run_git(up, "init", "-q", "-b", "main")
+    edit(up, "a.py", None, "".join(f"line {i}\n" for i in range(20)))
+    edit(up, "b.py", None, "b = 1\n")
+    edit(up, "c.py", None, "c = 1\n")
+    v1 = commit(up, "release 1.0")
+    pin = fake_pin("1.0", v1)
+    proj = tmp_path / "project"
+    proj.mkdir()
+    pin_file = proj / "vllm-pin.txt"
+    pin_file.write_text(rb.pin_text(pin))
+    patches, work = proj / "patches", proj / "vllm-src"
+    apply_series(pin, tree=work, patch_dir=patches, src=up)
+    edit(work, "a.py", "line 10\n", "line ten\n")
+    commit(work, "edit a")
+    edit(work, "b.py", "b = 1\n", "b = 2\n")
+    commit(work, "edit b")
+    edit(work, "c.py", "c = 1\n", "c = 2\n")
+    commit(work, "edit c")
+    edit(work, "d.py", None, "d = 1\n")
+    commit(work, "add d")
+    assert export_series(work, patches)
+    return up, pin, pin_file, patches
+
+
+def target_at(up: Path, version: str, with_pin: bool = True) -> rb.Target:
+    sha = run_git(up, "rev-parse", "HEAD")
+    return rb.Target(version=version, commit=sha[:12], checkout=up, ref=sha,
+                     pin=fake_pin(version, sha) if with_pin else None)
+
+
+def statuses(outcome: rb.RebaseOutcome) -> list[str]:
+    return [r.status for r in outcome.results]
+
+
+def test_write_regenerates_a_series_that_reproduces_the_rebased_tree(project, tmp_path):
+    up, pin, pin_file, patches = project
+    # Release 2.0: lines inserted above a.py's edit and a line of its
+    # context changed (3-way merge), b's change already made upstream, c.py
+    # deleted, an unrelated new file.
+    edit(up, "a.py", "line 0\n", "header 1\nheader 2\nline 0\n")
+    edit(up, "a.py", "line 12\n", "line 12 (upstream)\n")
+    edit(up, "b.py", "b = 1\n", "b = 2\n")
+    edit(up, "c.py", "", None)
+    edit(up, "e.py", None, "e = 1\n")
+    commit(up, "release 2.0")
+    target = target_at(up, "2.0")
+    work = tmp_path / "rebase"
+    outcome = rb.rebase(target, pin, patches, work, write=True, pin_file=pin_file)
+
+    assert statuses(outcome) == [rb.OFFSETS, rb.OBSOLETE, rb.OBSOLETE, rb.APPLIED]
+    assert outcome.results[0].detail == "3-way merge"
+    assert "already upstream" in outcome.results[1].detail
+    assert outcome.results[2].detail == "gone upstream: c.py"
+    assert outcome.carried and outcome.written
+    # Obsolete patches are dropped and the rest renumbered; the pin moved.
+    assert (patches / "series").read_text() == "0001-edit-a.patch\n0002-add-d.patch\n"
+    assert sorted(p.name for p in patches.iterdir()) == ["0001-edit-a.patch", "0002-add-d.patch",
+                                                          "series"]
+    assert load_pin(pin_file) == target.pin
+    # The new series on the new base is exactly the rebased tree ...
+    fresh = apply_series(load_pin(pin_file), tree=tmp_path / "fresh", patch_dir=patches, src=up)
+    assert run_git(fresh, "rev-parse", "HEAD^{tree}") == run_git(work, "rev-parse", "main^{tree}")
+    assert (fresh / "a.py").read_text().startswith("header 1\nheader 2\nline 0\n")
+    assert "\nline 9\nline ten\nline 11\nline 12 (upstream)\n" in (fresh / "a.py").read_text()
+    # ... and re-exports byte for byte.
+    assert not export_series(fresh, patches)
+
+
+def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
+    up, pin, pin_file, patches = project
+    edit(up, "a.py", "line 10\n", "line 10 (changed upstream)\n")
+    commit(up, "release 2.0")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    work = tmp_path / "rebase"
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, work, write=True, pin_file=pin_file)
+
+    assert statuses(outcome) == [rb.CONFLICT, rb.APPLIED, rb.APPLIED, rb.APPLIED]
+    assert outcome.results[0].detail == "a.py (1 hunk)"
+    assert not outcome.carried and not outcome.written
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    # The work tree is stopped in `git am` at the conflict, markers in place,
+    # the later patches queued: the user can finish by hand.
+    assert (work / ".git" / "rebase-apply").is_dir()
+    assert "<<<<<<<" in (work / "a.py").read_text()
+    assert "git am --continue" in rb.instructions(work, outcome)
+    # A second rebase refuses to throw that work away.
+    with pytest.raises(SeriesError, match="unfinished `git am`"):
+        rb.rebase(target_at(up, "2.0"), pin, patches, work, pin_file=pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+
+    # Resolve, continue, then --finish writes the hand-made series.
+    edit(work, "a.py", "", "".join(f"line {i}\n" for i in range(20)).replace(
+        "line 10\n", "line ten (changed upstream)\n"))
+    run_git(work, "add", "a.py")
+    subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
+    with pytest.raises(SeriesError, match="resolved by hand"):  # not before --finish
+        rb.rebase(target_at(up, "2.0"), pin, patches, work, pin_file=pin_file)
+    written = rb.finish(work, patches, pin_file)
+    assert [p.name for p in written] == [p.name for p in read_series(patches)]
+    assert len(written) == 4 and load_pin(pin_file).commit == target_at(up, "2.0").commit
+    fresh = apply_series(load_pin(pin_file), tree=tmp_path / "fresh", patch_dir=patches, src=up)
+    assert run_git(fresh, "rev-parse", "HEAD^{tree}") == run_git(work, "rev-parse", "HEAD^{tree}")
+
+
+def test_interrupted_rebase_changes_nothing(project, tmp_path, monkeypatch):
+    up, pin, pin_file, patches = project
+    edit(up, "e.py", None, "e = 1\n")
+    commit(up, "release 2.0")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    real, calls = rb._classify, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rb, "_classify", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "rebase", write=True,
+                  pin_file=pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    assert (tmp_path / "rebase" / ".git").is_dir()  # the partial work stays
+
+
+def test_write_needs_a_release(project, tmp_path):
+    up, pin, pin_file, patches = project
+    edit(up, "e.py", None, "e = 1\n")
+    edit(up, "a.py", "line 0\n", "header\nline 0\n")
+    commit_id = commit(up, "main, no release")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    with pytest.raises(SeriesError, match="not a vLLM release"):
+        rb.rebase(target_at(up, commit_id[:9], with_pin=False), pin, patches, tmp_path / "r",
+                  write=True, pin_file=pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    # Without --write it still reports.
+    outcome = rb.rebase(target_at(up, commit_id[:9], with_pin=False), pin, patches,
+                        tmp_path / "r", pin_file=pin_file)
+    assert outcome.carried and statuses(outcome) == [rb.OFFSETS] + [rb.APPLIED] * 3
+    assert outcome.results[0].detail == "line offsets"
+
+
+def test_patch_built_on_a_dropped_patch_follows_it(tmp_path, git_env):
+    up = tmp_path / "up"
+    up.mkdir()
+    run_git(up, "init", "-q", "-b", "main")
+    edit(up, "loader.py", None, "x = 1\n")
+    edit(up, "other.py", None, "y = 1\n")
+    pin = fake_pin("1.0", commit(up, "1.0"))
+    patches, work = tmp_path / "patches", tmp_path / "src"
+    apply_series(pin, tree=work, patch_dir=patches, src=up)
+    edit(work, "loader.py", "x = 1\n", "x = 1\nimport helper\n")
+    edit(work, "helper.py", None, "h = 1\n")
+    commit(work, "loader uses helper")
+    edit(work, "helper.py", "h = 1\n", "h = 2\n")
+    commit(work, "tune helper")
+    edit(work, "helper.py", "h = 2\n", "h = 3\n")
+    edit(work, "other.py", "y = 1\n", "y = 2\n")
+    commit(work, "tune helper and other")
+    export_series(work, patches)
+    edit(up, "loader.py", "x = 1\n", "x = 2\n")  # upstream edits the same line
+    commit(up, "1.1")
+    outcome = rb.rebase(target_at(up, "1.1"), pin, patches, tmp_path / "r", pin_file=tmp_path / "p")
+    assert statuses(outcome) == [rb.CONFLICT, rb.CONFLICT, rb.CONFLICT]
+    assert outcome.results[1].detail == (
+        "builds on 0001-loader-uses-helper.patch, which did not carry over")
+    assert outcome.results[2].detail == (
+        "helper.py (from 0001-loader-uses-helper.patch, which did not carry over)")
+    edit(up, "loader.py", "", None)  # upstream removed the loader
+    commit(up, "2.0")
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "r2",
+                        pin_file=tmp_path / "p")
+    assert statuses(outcome) == [rb.OBSOLETE, rb.OBSOLETE, rb.CONFLICT]
+    assert "0001-loader-uses-helper.patch" in outcome.results[1].detail
+
+
+def test_obsolete_if_header(project, tmp_path):
+    up, pin, pin_file, patches = project
+    p1, p2 = read_series(patches)[:2]
+    p1.write_text(p1.read_text().replace(
+        "Upstream-Status: Pending",
+        "Upstream-Status: Pending\nObsolete-If: a.py matches ^line 10 fixed$", 1))
+    p2.write_text(p2.read_text().replace(
+        "Upstream-Status: Pending", "Upstream-Status: Pending\nObsolete-If: c.py is gone", 1))
+    edit(up, "a.py", "line 10\n", "line 10 fixed\n")
+    commit(up, "2.0")
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "r", pin_file=pin_file)
+    # Without the header 0001 would conflict; c.py is still there.
+    assert statuses(outcome) == [rb.OBSOLETE, rb.APPLIED, rb.APPLIED, rb.APPLIED]
+    assert "a.py matches" in outcome.results[0].detail
+    edit(up, "c.py", "", None)
+    commit(up, "2.1")
+    outcome = rb.rebase(target_at(up, "2.1"), pin, patches, tmp_path / "r", pin_file=pin_file)
+    assert statuses(outcome) == [rb.OBSOLETE, rb.OBSOLETE, rb.OBSOLETE, rb.APPLIED]
+    assert outcome.results[1].detail == "Obsolete-If holds: c.py is gone"
+
+
+def test_index_lookup_picks_sdist_and_newest_wheel(tmp_path):
+    names = ["vllm-0.23.0.tar.gz", "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+             "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl",
+             "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_aarch64.whl",
+             "vllm-0.24.0.tar.gz", "vllm-0.9.2.tar.gz", "vllm-0.30.0rc1.tar.gz"]
+    page = tmp_path / "simple" / "vllm"
+    page.mkdir(parents=True)
+    links = "".join(f'<a href="../../f/{n}#sha256={hashlib.sha256(n.encode()).hexdigest()}">{n}</a>'
+                    for n in names)
+    links += '<a href="../../f/vllm-0.99.0.tar.gz#sha256=00" data-yanked="">yanked</a>'
+    (page / "index.html").write_text(f"<html><body>{links}</body></html>")
+    files = rb.index_files("vllm", [(tmp_path / "simple").as_uri()])
+    assert files["vllm-0.24.0.tar.gz"] == hashlib.sha256(b"vllm-0.24.0.tar.gz").hexdigest()
+    assert rb.newest_release(files) == "0.24.0"  # not the rc, not the yanked one
+    assert rb.release_files("0.23.0", files) == (
+        "vllm-0.23.0.tar.gz", "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl")
+    with pytest.raises(SeriesError, match="no x86_64 manylinux wheel"):
+        rb.release_files("0.9.2", files)
+
+
+def test_compat_markdown_has_a_row_per_patch_and_a_sentence_per_problem(tmp_path):
+    pin = fake_pin("1.0", "a" * 40)
+    patches = []
+    for name in ("0001-loader.patch", "0002-kernel.patch"):
+        patches.append(tmp_path / name)
+        patches[-1].write_text(name)
+    table = {
+        "0.9": [rb.PatchResult("0001-loader.patch", rb.CONFLICT, "x.py (2 hunks)", ["x.py"]),
+                rb.PatchResult("0002-kernel.patch", rb.APPLIED)],
+        "1.1": [rb.PatchResult("0001-loader.patch", rb.OBSOLETE, "gone upstream: x.py", ["x.py"]),
+                rb.PatchResult("0002-kernel.patch", rb.OFFSETS, "3-way merge")],
+    }
+    text = rb.compat_markdown(pin, patches, table, newest="1.1")
+    assert "| patch | 0.9 | 1.1 (newest) |" in text
+    assert "| `0001-loader.patch` | conflict | obsolete |" in text
+    assert "| `0002-kernel.patch` | applied | applied with offsets/fuzz |" in text
+    assert "Carries over without manual work to: 1.1." in text
+    assert "0.9: conflict in `x.py` (2 hunks)" in text
+    assert "1.1: obsolete, `x.py`, which it patches, is gone upstream" in text
+    assert "0002-kernel.patch`\n" not in text  # no note for a patch that applies everywhere
+
+
+def test_backport_is_obsolete_from_the_release_it_names(project, tmp_path):
+    up, pin, pin_file, patches = project
+    p2 = read_series(patches)[1]
+    p2.write_text(p2.read_text().replace("Upstream-Status: Pending",
+                                         "Upstream-Status: Backport [vLLM 2.0]", 1))
+    edit(up, "e.py", None, "e = 1\n")
+    commit(up, "next")
+    older = rb.rebase(target_at(up, "1.5"), pin, patches, tmp_path / "r", pin_file=pin_file)
+    newer = rb.rebase(target_at(up, "2.0.1"), pin, patches, tmp_path / "r", pin_file=pin_file)
+    assert statuses(older) == [rb.APPLIED] * 4
+    assert statuses(newer) == [rb.APPLIED, rb.OBSOLETE, rb.APPLIED, rb.APPLIED]
+    assert newer.results[1].detail == "backport of vLLM 2.0, which upstream has"
+
+
+# The real series on vLLM 0.24.0, the release that deleted the GGUF loader.
+# Every patch must be listed: a new patch makes this test fail until its
+# expected fate is recorded here.
+EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
+    # 0.24.0 deleted the GGUF loader that these two patch.
+    "0001": (rb.OBSOLETE, "gone upstream: vllm/model_executor/model_loader/gguf_loader.py"),
+    "0002": (rb.OBSOLETE, "gone upstream: vllm/model_executor/model_loader/gguf_loader.py"),
+    # Its header: obsolete once GGUF support (gguf_utils.py) is gone, as in 0.24.
+    "0003": (rb.OBSOLETE, "vllm/transformers_utils/gguf_utils.py"),
+    # The Triton sparse MLA backend: new files plus a registry entry.
+    "0004": (rb.OFFSETS, ""),
+    # 0.24.0 reworked SparseAttnIndexer.
+    "0005": (rb.CONFLICT, "vllm/model_executor/layers/sparse_attn_indexer.py"),
+    # The generated backend table in the docs moved on.
+    "0006": (rb.CONFLICT, "docs/design/attention_backends.md"),
+}
+
+
+# vLLM 0.24.0's sdist as the package index lists it; pinned here so that
+# re-runs need no network once fetch.py has cached it.
+SDIST_0_24 = ("vllm-0.24.0.tar.gz",
+              "0862453adc1f3339f1a0c9dca1179c34d6ed6e118f87b6e5bddd120af614ac66")
+
+
+def test_real_series_on_vllm_0_24(repo, tmp_path, git_env):
+    """Downloads the 0.24.0 sdist once (37 MB, cached by fetch.py)."""
+    patches = read_series(repo / "patches")
+    if not patches:
+        pytest.skip("patches/series is empty")
+    sdist = fetch_file("vllm", *SDIST_0_24)
+    commit_id, torch = rb.release_metadata(sdist)
+    assert (commit_id, torch) == ("ee0da84ab", "2.11.0")
+    target = rb.Target(version="0.24.0", commit=commit_id, sdist=sdist)
+    outcome = rb.rebase(target, load_pin(repo / "vllm-pin.txt"), repo / "patches",
+                        tmp_path / "rebase", replay=False, pin_file=repo / "vllm-pin.txt")
+    table = rb.format_table(outcome.results)
+    got = {r.name[:4]: r for r in outcome.results}
+    assert set(got) == set(EXPECTED_ON_0_24), table
+    for number, (status, detail) in EXPECTED_ON_0_24.items():
+        assert got[number].status == status, table
+        assert detail in got[number].detail, table
+    assert {rb.APPLIED, rb.OFFSETS} & {r.status for r in outcome.results}, table
+    assert any(r.status == rb.OBSOLETE and r.detail.startswith(
+        "gone upstream: vllm/model_executor/model_loader/gguf_loader.py")
+        for r in outcome.results), table
