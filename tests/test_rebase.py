@@ -263,7 +263,7 @@ def test_index_lookup_picks_sdist_and_newest_wheel(tmp_path):
                     for n in names)
     links += '<a href="../../f/vllm-0.99.0.tar.gz#sha256=00" data-yanked="">yanked</a>'
     (page / "index.html").write_text(f"<html><body>{links}</body></html>")
-    files = rb.index_files("vllm", [(tmp_path / "simple").as_uri()])
+    files = rb.release_hashes([(tmp_path / "simple").as_uri()])
     assert files["vllm-0.24.0.tar.gz"] == hashlib.sha256(b"vllm-0.24.0.tar.gz").hexdigest()
     assert rb.newest_release(files) == "0.24.0"  # not the rc, not the yanked one
     assert rb.release_files("0.23.0", files) == (

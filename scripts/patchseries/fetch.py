@@ -18,6 +18,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import SeriesError
@@ -52,53 +53,68 @@ def pip_index_urls() -> list[str]:
     return result.stdout.split()
 
 
-class _Anchors(html.parser.HTMLParser):
+@dataclass(frozen=True)
+class IndexFile:
+    url: str
+    sha256: str  # "" where the index gives none
+    yanked: bool
+
+
+class _Links(html.parser.HTMLParser):
     def __init__(self) -> None:
         super().__init__()
-        self.links: list[str] = []
+        self.links: list[tuple[str, bool]] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        href = dict(attrs).get("href")
-        if tag == "a" and href:
-            self.links.append(href)
+        a = dict(attrs)
+        if tag == "a" and a.get("href"):
+            self.links.append((a["href"], "data-yanked" in a))
 
 
-def _project_page(index: str, project: str) -> tuple[str, list[str]]:
-    """Return (page url, file urls) of a PEP 503/691 simple-index page."""
-    page = index.rstrip("/") + "/" + project + "/"
-    parsed = urllib.parse.urlparse(page)
-    if parsed.scheme == "file":
-        path = Path(urllib.parse.unquote(parsed.path))
-        page = (path / "index.html").as_uri()
-    request = urllib.request.Request(
-        page,
-        headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        body = response.read().decode()
-        kind = response.headers.get("Content-Type", "")
-    if "json" in kind:
-        return page, [f["url"] for f in json.loads(body)["files"]]
-    parser = _Anchors()
-    parser.feed(body)
-    return page, parser.links
+def index_files(project: str, indexes: list[str] | None = None) -> dict[str, IndexFile]:
+    """A project's files on the package indexes (PEP 503 HTML or PEP 691 JSON
+    simple pages); the first index that names a file wins."""
+    files: dict[str, IndexFile] = {}
+    failed = []
+    for index in indexes if indexes is not None else pip_index_urls():
+        page = index.rstrip("/") + "/" + project + "/"
+        parsed = urllib.parse.urlparse(page)
+        if parsed.scheme == "file":  # a directory index on disk
+            page = (Path(urllib.parse.unquote(parsed.path)) / "index.html").as_uri()
+        request = urllib.request.Request(
+            page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                body = response.read().decode()
+                kind = response.headers.get("Content-Type", "")
+        except (urllib.error.URLError, OSError) as e:
+            failed.append(f"{index} ({getattr(e, 'reason', e)})")
+            continue  # an index without the project, or offline: try the next
+        if "json" in kind:
+            for f in json.loads(body)["files"]:
+                files.setdefault(f["filename"], IndexFile(
+                    urllib.parse.urljoin(page, f["url"]).split("#", 1)[0],
+                    f.get("hashes", {}).get("sha256", ""), bool(f.get("yanked"))))
+            continue
+        parser = _Links()
+        parser.feed(body)
+        for href, yanked in parser.links:
+            url = urllib.parse.urlparse(urllib.parse.urljoin(page, href))
+            name = urllib.parse.unquote(url.path.rsplit("/", 1)[-1])
+            sha = urllib.parse.parse_qs(url.fragment).get("sha256", [""])[0]
+            files.setdefault(name, IndexFile(url._replace(fragment="").geturl(), sha, yanked))
+    if not files and failed:
+        raise SeriesError(f"cannot read {project}'s page on the package indexes: "
+                          + ", ".join(failed))
+    return files
 
 
 def find_file_url(project: str, filename: str, indexes: list[str]) -> str:
-    tried = []
-    for index in indexes:
-        try:
-            page, links = _project_page(index, project)
-        except (urllib.error.URLError, OSError) as e:
-            tried.append(f"{index} ({getattr(e, 'reason', e)})")
-            continue
-        for link in links:
-            url = urllib.parse.urljoin(page, link)
-            name = urllib.parse.unquote(urllib.parse.urlparse(url).path.rsplit("/", 1)[-1])
-            if name == filename:
-                return url.split("#", 1)[0]
-        tried.append(index)
-    raise SeriesError(f"{filename} not found on the configured package indexes: {', '.join(tried)}")
+    found = index_files(project, indexes).get(filename)
+    if found is None:
+        raise SeriesError(f"{filename} not found on the configured package indexes: "
+                          + ", ".join(indexes))
+    return found.url
 
 
 def _download(url: str, dest: Path) -> None:

@@ -30,24 +30,18 @@ caller asks for it; obsolete patches are dropped from the series then.
 
 from __future__ import annotations
 
-import html.parser
-import json
 import re
 import shutil
 import signal
-import subprocess
 import tarfile
 import tempfile
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import PATCH_DIR, PIN_FILE, REPO_ROOT, SeriesError
-from .fetch import fetch_file, pip_index_urls
+from .fetch import fetch_file, index_files
 from .pin import Pin, load_pin, parse_pin
-from .tree import (_AM_IDENTITY, _BASE_ENV, UPSTREAM_TAG, export_patches, git,
+from .tree import (_AM_IDENTITY, _BASE_ENV, UPSTREAM_TAG, commit_release, export_patches, git,
                    read_series, series_digest)
 
 REBASE_TREE = REPO_ROOT / "vllm-rebase"
@@ -86,52 +80,10 @@ class Target:
         return f"vLLM {self.version} (upstream {self.commit})"
 
 
-class _Links(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.links: list[tuple[str, bool]] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "a" and a.get("href"):
-            self.links.append((a["href"], "data-yanked" in a))
-
-
-def index_files(project: str, indexes: list[str] | None = None) -> dict[str, str]:
-    """{file name: sha256} of a project's non-yanked files on the package indexes
-    (PEP 503 HTML or PEP 691 JSON simple pages); the first index naming a file wins."""
-    files: dict[str, str] = {}
-    failed = []
-    for index in indexes if indexes is not None else pip_index_urls():
-        page = index.rstrip("/") + "/" + project + "/"
-        if urllib.parse.urlparse(page).scheme == "file":
-            page = (Path(urllib.parse.unquote(urllib.parse.urlparse(page).path))
-                    / "index.html").as_uri()
-        request = urllib.request.Request(
-            page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                body = response.read().decode()
-                kind = response.headers.get("Content-Type", "")
-        except (urllib.error.URLError, OSError) as e:
-            failed.append(f"{index} ({getattr(e, 'reason', e)})")
-            continue  # an index without the project, or offline: try the next
-        if "json" in kind:
-            for f in json.loads(body)["files"]:
-                if not f.get("yanked") and "sha256" in f.get("hashes", {}):
-                    files.setdefault(f["filename"], f["hashes"]["sha256"])
-            continue
-        parser = _Links()
-        parser.feed(body)
-        for href, yanked in parser.links:
-            url = urllib.parse.urlparse(urllib.parse.urljoin(page, href))
-            sha = urllib.parse.parse_qs(url.fragment).get("sha256", [""])[0]
-            if not yanked and sha:
-                files.setdefault(urllib.parse.unquote(url.path.rsplit("/", 1)[-1]), sha)
-    if not files and failed:
-        raise SeriesError(f"cannot read {project}'s page on the package indexes: "
-                          + ", ".join(failed))
-    return files
+def release_hashes(indexes: list[str] | None = None) -> dict[str, str]:
+    """{file name: sha256} of vLLM's non-yanked files on the package indexes."""
+    return {name: f.sha256 for name, f in index_files("vllm", indexes).items()
+            if f.sha256 and not f.yanked}
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -192,7 +144,7 @@ def release_metadata(sdist: Path) -> tuple[str, str]:
 
 
 def release_target(version: str, indexes: list[str] | None = None) -> Target:
-    files = index_files("vllm", indexes)
+    files = release_hashes(indexes)
     if version == "newest":
         version = newest_release(files)
     sdist_name, wheel_name = release_files(version, files)
@@ -218,7 +170,7 @@ def checkout_target(src: Path, ref: str, indexes: list[str] | None = None) -> Ta
     pin = None
     if re.fullmatch(r"\d+(\.\d+)*", version):
         try:
-            files = index_files("vllm", indexes)
+            files = release_hashes(indexes)
             sdist_name, wheel_name = release_files(version, files)
             sdist = fetch_file("vllm", sdist_name, files[sdist_name], indexes)
             released, torch = release_metadata(sdist)
@@ -304,78 +256,6 @@ class PatchResult:
 
 def _has(tree: Path, rev: str, path: str) -> bool:
     return not git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode
-
-
-def _quote(path: str) -> str:
-    if not re.search(r'["\\\n]', path) and not path.startswith('"'):
-        return path
-    return '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _import_tar(tree: Path, tar: tarfile.TarFile, strip_top: bool, message: str,
-                parent: str | None) -> str:
-    """Commit the files of a tar stream (an sdist, or `git archive`) with
-    `git fast-import`, without unpacking them: the same tree `git add -A -f`
-    of the unpacked files gives, in a fraction of the time. Returns the commit."""
-    ref = "refs/patchseries/import"
-    # Light compression: the objects are read once or twice, then thrown away.
-    proc = subprocess.Popen(["git", "-C", str(tree), "-c", "pack.compression=1", "fast-import",
-                             "--quiet", "--done"],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    out = proc.stdin
-    entries: dict[str, tuple[str, int]] = {}
-    try:
-        for mark, member in enumerate(tar, 1):
-            name = member.name.partition("/")[2] if strip_top else member.name
-            if not name or member.isdir():
-                continue
-            if member.issym():
-                data, mode = member.linkname.encode(), "120000"
-            elif member.isreg():
-                data = tar.extractfile(member).read()
-                mode = "100755" if member.mode & 0o100 else "100644"
-            elif member.islnk():
-                target = member.linkname if not strip_top else member.linkname.partition("/")[2]
-                if target in entries:
-                    entries[name] = entries[target]
-                continue
-            else:
-                continue
-            out.write(b"blob\nmark :%d\ndata %d\n%s\n" % (mark, len(data), data))
-            entries[name] = (mode, mark)
-        who = f"{_BASE_ENV['GIT_AUTHOR_NAME']} <{_BASE_ENV['GIT_AUTHOR_EMAIL']}> 946684800 +0000"
-        msg = message.encode()
-        out.write(f"commit {ref}\nauthor {who}\ncommitter {who}\n".encode()
-                  + b"data %d\n%s\n" % (len(msg), msg)
-                  + (f"from {parent}\n".encode() if parent else b"")
-                  + b"deleteall\n")
-        for name, (mode, mark) in sorted(entries.items()):
-            out.write(f"M {mode} :{mark} {_quote(name)}\n".encode())
-        out.write(b"\ndone\n")
-        out.close()
-    except BrokenPipeError:
-        pass
-    if proc.wait():
-        raise SeriesError(f"git fast-import failed in {tree}:\n{proc.stderr.read().decode()}")
-    commit = git(tree, "rev-parse", ref).stdout.strip()
-    git(tree, "update-ref", "-d", ref)
-    return commit
-
-
-def _import(tree: Path, message: str, parent: str | None, sdist: Path | None = None,
-            checkout: Path | None = None, ref: str | None = None) -> str:
-    """Commit a release sdist, or a checkout's commit, into `tree`."""
-    if sdist is not None:
-        with tarfile.open(sdist) as tar:
-            return _import_tar(tree, tar, True, message, parent)
-    archive = subprocess.Popen(["git", "-C", str(checkout), "archive", "--format=tar", ref],
-                               stdout=subprocess.PIPE)
-    with tarfile.open(fileobj=archive.stdout, mode="r|") as tar:
-        commit = _import_tar(tree, tar, False, message, parent)
-    if archive.wait():
-        raise SeriesError(f"git archive {ref} failed in {checkout}")
-    return commit
 
 
 def _conflict_detail(tree: Path, patch: Path, gone: list[str],
@@ -501,11 +381,11 @@ def prepare_tree(work: Path, pin: Pin, target: Target, patches: list[Path]) -> N
                                                 f"{pin.commit}^{{commit}}", check=False).returncode:
         print(f"importing {target.checkout} at {pin.commit} (pinned vLLM {pin.version})",
               flush=True)
-        old = _import(work, old_message, None, checkout=target.checkout, ref=pin.commit)
+        old = commit_release(work, old_message, None, checkout=target.checkout, ref=pin.commit)
     else:
         sdist = fetch_file("vllm", pin.sdist, pin.sdist_sha256)
         print(f"importing {sdist.name} (pinned)", flush=True)
-        old = _import(work, old_message, None, sdist=sdist)
+        old = commit_release(work, old_message, None, sdist=sdist)
     git(work, "tag", OLD_TAG, old)
     # The series on the old base, applied to an index only: it puts the blobs
     # every patch was made against into the repository for `git am --3way`.
@@ -522,7 +402,7 @@ def prepare_tree(work: Path, pin: Pin, target: Target, patches: list[Path]) -> N
                      f"patches/series on vLLM {pin.version}", env=_BASE_ENV).stdout.strip()
     git(work, "branch", "old-series", old_series)
     print(f"importing {target.sdist.name if target.sdist else target.ref} (target)", flush=True)
-    new = _import(work, target.describe(), old, sdist=target.sdist, checkout=target.checkout,
+    new = commit_release(work, target.describe(), old, sdist=target.sdist, checkout=target.checkout,
                   ref=target.ref)
     git(work, "tag", UPSTREAM_TAG, new)
     git(work, "checkout", "-q", "-f", "-B", "probe", new)
@@ -771,7 +651,7 @@ def compat(versions: list[str] | None = None, patch_dir: Path = PATCH_DIR,
     patches = read_series(patch_dir)
     newest = None
     if versions is None:
-        newest = newest_release(index_files("vllm"))
+        newest = newest_release(release_hashes())
         versions = list(COMPAT_VERSIONS) + ([newest] if newest not in COMPAT_VERSIONS else [])
     table: dict[str, list[PatchResult]] = {}
     with tempfile.TemporaryDirectory(prefix="vllm-compat-") as tmp:

@@ -13,13 +13,8 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Must be set before the kernels are decorated (module import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
+import triton
+from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 
 SM120_SMEM_LIMIT = 101_376
 FP8 = torch.float8_e4m3fn

@@ -19,12 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Must be set before the kernels are decorated (module import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from vllm.v1.attention.ops.triton_sparse_mla import (  # noqa: E402
+from vllm.v1.attention.ops.triton_sparse_mla import (
     SM120_MAX_SHARED_BYTES,
     SparseMLAConfig,
     all_configs,
