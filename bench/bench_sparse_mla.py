@@ -132,6 +132,9 @@ def ceilings():
 
 
 CAP = (9, 0)  # set from the device in main()
+# (name, capability whose configs run): this GPU's; on SM90 also its Triton
+# kernel without the Gluon kernels (the configs SM100 uses); SM120's.
+FAMILIES = [("triton", CAP), ("triton-sm120cfg", (12, 0))]
 
 
 def family_call(cap, h_q, dtype, s_q, num_sms, picks):
@@ -139,9 +142,9 @@ def family_call(cap, h_q, dtype, s_q, num_sms, picks):
     a device of capability ``cap``; prefill configs replaced by the sweep's
     picks where given (picks[(cap major, bucket)])."""
     dcfg = get_config(cap, h_q, dtype, "decode")
-    ns = choose_num_splits(
-        s_q, h_q, TOPK, min(dcfg.block_h, bucket(h_q)), dcfg.block_n, num_sms
-    )
+    # Heads per CTA as sparse_mla_fwd takes them (Gluon kernels: always 64).
+    block_h = dcfg.block_h if dcfg.gluon else min(dcfg.block_h, bucket(h_q))
+    ns = choose_num_splits(s_q, h_q, TOPK, block_h, dcfg.block_n, num_sms)
     if ns > 1:
         return dcfg, ns
     return picks.get((cap[0], bucket(h_q)), get_config(cap, h_q, dtype, "prefill")), 1
@@ -175,9 +178,12 @@ def run_bench(args, op, copy_bw, mm_rate, picks):
             for s_q in args.sq:
                 sets = input_sets(s_q, h_q, dtype, gen, n_rotate(s_q))
                 out = torch.empty(s_q, h_q, D_V, device="cuda", dtype=dtype)
-                res = {}
-                for name, cap in (("triton", CAP), ("triton-sm120cfg", (12, 0))):
+                res, calls = {}, []
+                for name, cap in FAMILIES:
                     cfg, ns = family_call(cap, h_q, dtype, s_q, num_sms, picks)
+                    if name == "triton-nogluon" and (cfg, ns) in calls:
+                        continue  # no Gluon kernel here: same as "triton"
+                    calls.append((cfg, ns))
                     res[name] = timed(
                         lambda q, i: sparse_mla_fwd(
                             q, kv, i, SCALE, out=out, num_splits=ns, config=cfg
@@ -530,8 +536,11 @@ def main():
     copy_bw, mm_rate = (1.0, 1.0) if args.warm_only else ceilings()
     ceil_txt = f"Ceilings measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s."
     print(ceil_txt, flush=True)
-    global CAP
+    global CAP, FAMILIES
     CAP = torch.cuda.get_device_capability()
+    FAMILIES = [("triton", CAP), ("triton-sm120cfg", (12, 0))]
+    if CAP[0] == 9:
+        FAMILIES.insert(1, ("triton-nogluon", (10, 0)))
     sweep, picks = [], {}
     if args.sweep:
         gen = torch.Generator(device="cuda").manual_seed(2)
@@ -576,7 +585,9 @@ def main():
                 "topk 2048, d_qk 576, d_v 512, kv pool 262,144 rows, unique random indices per token. "
                 "`triton`: this GPU's path and configs (auto: split over topk for few tokens; prefill "
                 "config = the sweep's pick, see below); `triton-sm120cfg`: what SM120/SM121 would run "
-                "(their decode configs, the sweep's SM120-legal prefill pick), run here; `flashmla`: "
+                "(their decode configs, the sweep's SM120-legal prefill pick), run here; `triton-nogluon` (SM90 "
+                "only, rows where it differs): the Triton kernel with the configs SM100 uses, i.e. without the "
+                "Hopper Gluon kernels; `flashmla`: "
                 "_flashmla_C.sparse_prefill_fwd from the pinned wheel, bf16 only, h_q padded to 64 "
                 "(as vLLM pads). × FlashMLA speed = FlashMLA time / this time. Times per call from CUDA-graph "
                 "replays over rotated inputs (no host launch overhead; see the script's docstring).\n\n"

@@ -54,20 +54,36 @@ def main() -> None:
     rows = read_table(args.table, args.dtype)
     heads = sorted(rows)
     fig, axes = plt.subplots(1, len(heads), figsize=(4 * len(heads), 3.8), sharey=True)
+    kernels = sorted({k for by_kernel in rows.values() for k in by_kernel})
+    colors = {k: f"C{i}" for i, k in enumerate(kernels)}  # same colour in every panel
     for ax, h_q in zip(axes, heads):
-        roof = None
+        roof = {}
         for kernel, points in sorted(rows[h_q].items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=kernel)
-            roof = roof or points
-        ax.plot([p[0] for p in roof], [p[2] for p in roof], "k--", lw=1, label="roofline")
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                ms=3,
+                label=kernel,
+                color=colors[kernel],
+            )
+            for s_q, tbs, roof_tbs in points:
+                # The table rounds "x roofline" to 2 digits: take the roofline
+                # from the kernel closest to it (least relative rounding).
+                if tbs > roof.get(s_q, (0.0, 0.0))[0]:
+                    roof[s_q] = (tbs, roof_tbs)
+        xs = sorted(roof)
+        ax.plot(xs, [roof[x][1] for x in xs], "k--", lw=1, label="roofline")
         ax.set_xscale("log", base=2)
         ax.set_title(f"h_q = {h_q}")
         ax.set_xlabel("s_q (tokens)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("gathered KV TB/s")
     axes[-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Sparse MLA, topk 2048, {args.dtype} — {args.table.name}", fontsize=10)
+    fig.suptitle(
+        f"Sparse MLA, topk 2048, {args.dtype} — {args.table.name}", fontsize=10
+    )
     fig.tight_layout()
     out = args.table.with_suffix(".png")
     fig.savefig(out, dpi=110)

@@ -18,9 +18,10 @@ tar -C "$SITE" -xJf "$PACK/vllm-tree.tar.xz" || exit 1
 xz -dc "$PACK/C_stable.so.xz" >"$SITE/vllm/_C_stable_libtorch.abi3.so" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target "$SITE" "$PACK"/whl/*.whl || exit 1
-# A newer kernel module under wip/pkg (work in progress) wins over the pack's.
-K=wip/pkg/vllm/v1/attention/ops/triton_sparse_mla.py
-[ -f "$K" ] && cp "$K" "$SITE/vllm/v1/attention/ops/triton_sparse_mla.py"
+# Newer kernel modules under wip/pkg (work in progress) win over the pack's.
+for K in wip/pkg/vllm/v1/attention/ops/*.py; do
+    [ -f "$K" ] && cp "$K" "$SITE/vllm/v1/attention/ops/"
+done
 # vllm._C (43 MB) registers ops none of these tests use; vllm.platforms.cuda
 # only imports it, so an empty stand-in is enough here.
 [ -e "$SITE/vllm/_C.abi3.so" ] || : >"$SITE/vllm/_C.py"
@@ -32,6 +33,7 @@ export PYTHONPATH=$SITE
     python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
     python3 -c 'from vllm.platforms import current_platform as p; print("platform", type(p).__name__, p.get_device_capability())'
     sha256sum "$SITE/vllm/v1/attention/ops/triton_sparse_mla.py" \
+        "$SITE/vllm/v1/attention/ops/triton_sparse_mla_sm90.py" \
         "$SITE/vllm/v1/attention/backends/mla/triton_mla_sparse.py" \
         "$SITE/vllm/platforms/cuda.py"
 } 2>&1 | tee "$OUT/env.txt"

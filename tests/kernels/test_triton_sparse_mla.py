@@ -6,7 +6,8 @@ CPU: the kernels run under TRITON_INTERPRET=1 at small sizes (d_qk/d_v stay
 576/512, the real geometry) in fp16 and fp32 -- Triton 3.6's interpreter gets
 bf16 dots wrong, so bf16 is checked on a GPU. Every config the kernel can
 choose on 12.0/12.1 is AOT-compiled for sm_120/sm_121 and must fit
-101,376 B of shared memory; 8.0, 8.9, 9.0 and 10.0 must compile.
+101,376 B of shared memory; 8.0, 8.9, 9.0 (the two Hopper Gluon kernels,
+within 232,448 B) and 10.0 must compile.
 GPU (``-m gpu``): GLM-5 shapes, fp16 and bf16, the SM120 configs forced on
 whatever GPU runs them, and FlashMLA sparse side by side where it loads.
 """
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from vllm.v1.attention.ops.triton_sparse_mla import (
+    SM90_MAX_SHARED_BYTES,
     SM120_MAX_SHARED_BYTES,
     SparseMLAConfig,
     all_configs,
@@ -319,8 +321,10 @@ def _aot_jobs():
             full = cap == (12, 0) and dtype == torch.float16
             jobs.append(([list(cap), path, str(dtype).split(".")[1], list(cfg)], full))
     for cap in [(8, 0), (8, 9), (9, 0), (10, 0)]:
-        cfg = get_config(cap, 64, torch.bfloat16, "prefill")
-        jobs.append(([list(cap), "prefill", "bfloat16", list(cfg)], True))
+        # 9.0: both Hopper Gluon kernels (one-pass and split).
+        for path in ("prefill", "decode") if cap == (9, 0) else ("prefill",):
+            cfg = get_config(cap, 64, torch.bfloat16, path)
+            jobs.append(([list(cap), path, "bfloat16", list(cfg)], True))
     return jobs
 
 
@@ -366,9 +370,13 @@ def test_aot_sm12x_every_config_fits_shared_memory(aot_shared, cap):
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0)])
 def test_aot_other_archs_compile(aot_shared, cap):
     mine = {k: v for k, v in aot_shared.items() if json.loads(k)[0] == list(cap)}
-    assert len(mine) == 1 and all(v > 0 for v in mine.values())
+    assert len(mine) == (2 if cap == (9, 0) else 1)
+    assert all(v > 0 for v in mine.values())
     if cap[0] == 8:  # consumer Ampere/Ada share the 99 KB limit
         assert all(v <= SM120_MAX_SHARED_BYTES for v in mine.values())
+    if cap[0] == 9:  # the Gluon kernels' q and two 64-row buffers must fit
+        assert all(v <= SM90_MAX_SHARED_BYTES for v in mine.values())
+        assert all(json.loads(k)[3][6] for k in mine), "9.0 runs the Gluon kernels"
 
 
 # ---------------------------------------------------------------------------
@@ -404,6 +412,25 @@ def test_gpu_glm5_shapes(dtype, h_q, s_q):
         torch.cuda.synchronize()
         err = check(res, ref, dtype)
         assert err <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("h_q", [20, 33, 100])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_gpu_partial_head_block_edges(dtype, h_q, num_splits):
+    """Head counts that leave a 64-head block partly empty (on SM90 the
+    Gluon kernels pad 17-64 heads to 64), topk not a multiple of 64,
+    duplicates, out-of-range indices and a row with nothing valid."""
+    gen = torch.Generator().manual_seed(h_q * 10 + num_splits)
+    s_q, s_kv, topk = 6, 4096, 2000
+    q, kv, idx = make_inputs(s_q, h_q, s_kv, topk, dtype, gen=gen, device="cuda")
+    idx[0, 0, :300] = 11  # duplicates
+    idx[3, 0] = torch.where(torch.arange(topk) % 2 == 0, -1, s_kv).to("cuda")
+    idx[4, 0, 64:] = -1  # only the first row block is valid
+    out = nan_out(s_q, h_q, dtype, "cuda")
+    res = sparse_mla_fwd(q, kv, idx, SCALE, out=out, num_splits=num_splits)
+    check(res, ref_sparse_mla(q, kv, idx, SCALE), dtype, empty_rows=[3])
 
 
 @pytest.mark.gpu
