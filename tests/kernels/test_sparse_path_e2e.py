@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import triton
+from flashmla_sparse import load_flashmla_sparse
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 from vllm.v1.attention.ops.triton_sparse_mla import req_topk_to_slots, sparse_mla_fwd
 
@@ -315,21 +316,10 @@ def triton_attention(q, kv, slots):
 
 
 def flashmla_op():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (
-        9,
-        10,
-    ):
-        return None, "FlashMLA sparse runs on SM90/SM100 only"
-    so = os.environ.get("FLASHMLA_SO")
-    try:
-        if so:
-            torch.ops.load_library(so)
-        else:
-            import vllm._flashmla_C  # noqa: F401
-        raw = torch.ops._flashmla_C.sparse_prefill_fwd
-    except (ImportError, OSError, AttributeError, RuntimeError) as e:
-        return None, f"FlashMLA sparse not loadable (set FLASHMLA_SO): {e!r}"
-    extra = len(raw.default._schema.arguments) - 5  # attn_sink, topk_length, out
+    """FlashMLA on cache slots, heads padded to a multiple of 64 on SM90."""
+    raw, why = load_flashmla_sparse()
+    if raw is None:
+        return None, why
 
     def run(q, kv, slots):
         # FlashMLA wants h_q a multiple of 64 on SM90: pad as vLLM does.
@@ -339,9 +329,7 @@ def flashmla_op():
             if h % 64 == 0
             else torch.cat([q, q.new_zeros(q.shape[0], 64 - h % 64, q.shape[2])], 1)
         )
-        out, max_logits, lse = raw(
-            qp, kv, slots[:, None], SM_SCALE, D_V, *([None] * extra)
-        )[:3]
+        out, max_logits, lse = raw(qp, kv, slots[:, None], SM_SCALE, D_V)
         return out[:, :h], max_logits[:, :h], lse[:, :h]
 
     return run, None

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from flashmla_sparse import load_flashmla_sparse
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SM90_MAX_SHARED_BYTES,
     SM120_MAX_SHARED_BYTES,
@@ -450,34 +451,15 @@ def test_gpu_sm12x_configs(cap, h_q):
         )
 
 
-def _flashmla_op():
-    so = os.environ.get("FLASHMLA_SO")
-    try:
-        if so:
-            torch.ops.load_library(so)
-        else:
-            import vllm._flashmla_C  # noqa: F401
-        raw = torch.ops._flashmla_C.sparse_prefill_fwd
-    except (ImportError, OSError, AttributeError, RuntimeError):
-        return None
-    n_args = len(raw.default._schema.arguments)
-    # (q, kv, indices, sm_scale, d_v[, attn_sink, topk_length[, out]])
-    return lambda q, kv, idx, scale, d_v: raw(
-        q, kv, idx, scale, d_v, *([None] * (n_args - 5))
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q", [64, 128])
 def test_gpu_matches_flashmla_bf16(h_q):
-    if torch.cuda.get_device_capability()[0] not in (9, 10):
-        pytest.skip("FlashMLA sparse runs on SM90/SM100 only")
-    op = _flashmla_op()
+    op, why = load_flashmla_sparse()
     if op is None:
-        pytest.skip("FlashMLA sparse not loadable (set FLASHMLA_SO)")
+        pytest.skip(why)
     q, kv, idx = _gpu_inputs(512, h_q, torch.bfloat16, seed=h_q + 1)
     idx[5, 0] = -1  # all-invalid row: both kernels must agree on it too
-    f_out, f_max, f_lse = op(q, kv, idx, SCALE, D_V)[:3]
+    f_out, f_max, f_lse = op(q, kv, idx, SCALE, D_V)
     out, max_logits, lse = sparse_mla_fwd(q, kv, idx, SCALE)
     assert rel_err(out, f_out.double()) <= 1e-2
     fin = torch.isfinite(f_lse)
