@@ -11,12 +11,32 @@ Writes the PNG next to the table (same name, .png). Needs matplotlib.
 """
 
 import argparse
+import re
 from collections import defaultdict
 from pathlib import Path
 
 
+def roofline(text: str):
+    """Gathered TB/s at the roofline, as a function of (h_q, s_q), from the
+    table's header: the run's ceilings and the problem geometry (the same
+    formula as bench_sparse_mla.metrics; the table's own ratio column is
+    rounded to 2 digits, too coarse for the small-s_q points)."""
+    copy, mm = re.search(r"copy ([\d.]+) TB/s.*?matmul ([\d.]+) TFLOP/s", text).groups()
+    topk, d_qk, d_v = map(
+        int, re.search(r"topk (\d+), d_qk (\d+), d_v (\d+)", text).groups()
+    )
+    copy_bw, mm_rate, elt = float(copy) * 1e12, float(mm) * 1e12, 2
+
+    def at(h_q: int, s_q: int) -> float:
+        nbytes = s_q * topk * d_qk * elt + s_q * h_q * (d_qk + d_v) * elt
+        flops = 2 * s_q * h_q * topk * (d_qk + d_v)
+        return nbytes / max(nbytes / copy_bw, flops / mm_rate) / 1e12
+
+    return at
+
+
 def read_table(path: Path, dtype: str):
-    """{h_q: {kernel: [(s_q, TB/s, roofline TB/s)]}} from the first table."""
+    """{h_q: {kernel: [(s_q, TB/s)]}} from the first table."""
     rows: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     header = None
     for line in path.read_text().splitlines():
@@ -34,8 +54,7 @@ def read_table(path: Path, dtype: str):
         if row["dtype"] != dtype:
             continue
         tbs = float(row["gathered TB/s"])
-        roof = tbs / float(row["× roofline"])
-        rows[int(row["h_q"])][row["kernel"]].append((int(row["s_q"]), tbs, roof))
+        rows[int(row["h_q"])][row["kernel"]].append((int(row["s_q"]), tbs))
     if not rows:
         raise SystemExit(f"{path}: no {dtype} rows in the timing table")
     return rows
@@ -52,14 +71,16 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     rows = read_table(args.table, args.dtype)
+    roof = roofline(args.table.read_text())
     heads = sorted(rows)
     fig, axes = plt.subplots(1, len(heads), figsize=(4 * len(heads), 3.8), sharey=True)
     kernels = sorted({k for by_kernel in rows.values() for k in by_kernel})
     colors = {k: f"C{i}" for i, k in enumerate(kernels)}  # same colour in every panel
     for ax, h_q in zip(axes, heads):
-        roof = {}
+        s_qs = set()
         for kernel, points in sorted(rows[h_q].items()):
             points.sort()
+            s_qs.update(p[0] for p in points)
             ax.plot(
                 [p[0] for p in points],
                 [p[1] for p in points],
@@ -68,13 +89,8 @@ def main() -> None:
                 label=kernel,
                 color=colors[kernel],
             )
-            for s_q, tbs, roof_tbs in points:
-                # The table rounds "x roofline" to 2 digits: take the roofline
-                # from the kernel closest to it (least relative rounding).
-                if tbs > roof.get(s_q, (0.0, 0.0))[0]:
-                    roof[s_q] = (tbs, roof_tbs)
-        xs = sorted(roof)
-        ax.plot(xs, [roof[x][1] for x in xs], "k--", lw=1, label="roofline")
+        xs = sorted(s_qs)
+        ax.plot(xs, [roof(h_q, x) for x in xs], "k--", lw=1, label="roofline")
         ax.set_xscale("log", base=2)
         ax.set_title(f"h_q = {h_q}")
         ax.set_xlabel("s_q (tokens)")
