@@ -35,6 +35,7 @@ import sys
 import torch
 import triton
 import triton.testing
+from sparse_mla_work import D_QK, D_V, TOPK, work
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
     choose_num_splits,
@@ -42,7 +43,6 @@ from vllm.v1.attention.ops.triton_sparse_mla import (
     sparse_mla_fwd,
 )
 
-D_QK, D_V, TOPK = 576, 512, 2048
 SCALE = D_QK**-0.5
 POOL = 262144  # cache rows: 302 MB in bf16, ~6x the H200's L2
 H_LIST = [8, 16, 32, 64, 128]
@@ -155,8 +155,7 @@ def bucket(h_q):
 
 
 def metrics(s_q, h_q, elt, ms, copy_bw, mm_rate):
-    flops = 2 * s_q * h_q * TOPK * (D_QK + D_V)
-    nbytes = s_q * TOPK * D_QK * elt + s_q * h_q * (D_QK + D_V) * elt
+    flops, nbytes = work(s_q, h_q, elt)
     t = ms * 1e-3
     roof = max(nbytes / copy_bw, flops / mm_rate)
     return flops / t / 1e12, nbytes / t / 1e12, roof / t

@@ -15,21 +15,18 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from sparse_mla_work import work
+
 
 def roofline(text: str):
     """Gathered TB/s at the roofline, as a function of (h_q, s_q), from the
-    table's header: the run's ceilings and the problem geometry (the same
-    formula as bench_sparse_mla.metrics; the table's own ratio column is
-    rounded to 2 digits, too coarse for the small-s_q points)."""
+    ceilings in the table's header (the table's own ratio column is rounded
+    to 2 digits, too coarse for the small-s_q points)."""
     copy, mm = re.search(r"copy ([\d.]+) TB/s.*?matmul ([\d.]+) TFLOP/s", text).groups()
-    topk, d_qk, d_v = map(
-        int, re.search(r"topk (\d+), d_qk (\d+), d_v (\d+)", text).groups()
-    )
-    copy_bw, mm_rate, elt = float(copy) * 1e12, float(mm) * 1e12, 2
+    copy_bw, mm_rate = float(copy) * 1e12, float(mm) * 1e12
 
     def at(h_q: int, s_q: int) -> float:
-        nbytes = s_q * topk * d_qk * elt + s_q * h_q * (d_qk + d_v) * elt
-        flops = 2 * s_q * h_q * topk * (d_qk + d_v)
+        flops, nbytes = work(s_q, h_q, elt=2)
         return nbytes / max(nbytes / copy_bw, flops / mm_rate) / 1e12
 
     return at
