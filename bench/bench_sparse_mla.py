@@ -38,8 +38,7 @@ import triton.testing
 from sparse_mla_work import D_QK, D_V, TOPK, work
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
-    choose_num_splits,
-    get_config,
+    auto_config,
     sparse_mla_fwd,
 )
 
@@ -141,13 +140,10 @@ def family_call(cap, h_q, dtype, s_q, num_sms, picks):
     """(config, num_splits) exactly as sparse_mla_fwd's auto path decides on
     a device of capability ``cap``; prefill configs replaced by the sweep's
     picks where given (picks[(cap major, bucket)])."""
-    dcfg = get_config(cap, h_q, dtype, "decode")
-    # Heads per CTA as sparse_mla_fwd takes them (Gluon kernels: always 64).
-    block_h = dcfg.block_h if dcfg.gluon else min(dcfg.block_h, bucket(h_q))
-    ns = choose_num_splits(s_q, h_q, TOPK, block_h, dcfg.block_n, num_sms)
+    cfg, ns = auto_config(cap, s_q, h_q, TOPK, dtype, num_sms)
     if ns > 1:
-        return dcfg, ns
-    return picks.get((cap[0], bucket(h_q)), get_config(cap, h_q, dtype, "prefill")), 1
+        return cfg, ns
+    return picks.get((cap[0], bucket(h_q)), cfg), 1
 
 
 def bucket(h_q):

@@ -26,6 +26,7 @@ from vllm.v1.attention.ops.triton_sparse_mla import (
     SM120_MAX_SHARED_BYTES,
     SparseMLAConfig,
     all_configs,
+    auto_config,
     choose_num_splits,
     get_config,
     req_topk_to_slots,
@@ -204,6 +205,20 @@ def test_split_heuristic():
     assert choose_num_splits(1024, 64, 2048, 64, 32, sms) == 1
     assert choose_num_splits(1, 64, 40, 64, 16, sms) == 3
     assert choose_num_splits(1, 64, 16, 64, 16, sms) == 1
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0), (12, 0)])
+def test_auto_config_follows_token_count(cap):
+    """Few tokens: the decode table, split; many: the prefill table, one
+    pass. A forced config serves both paths (the bench relies on this)."""
+    dt = torch.bfloat16
+    cfg, ns = auto_config(cap, 1, 64, 2048, dt, 132)
+    assert ns > 1 and cfg == get_config(cap, 64, dt, "decode")
+    cfg, ns = auto_config(cap, 4096, 64, 2048, dt, 132)
+    assert ns == 1 and cfg == get_config(cap, 64, dt, "prefill")
+    forced = SparseMLAConfig(16, 32, 4, 2)
+    assert auto_config(cap, 1, 8, 2048, dt, 132, forced)[0] == forced
+    assert auto_config(cap, 4096, 8, 2048, dt, 132, forced) == (forced, 1)
 
 
 def _slots_ref(pos, req, table, bs):
