@@ -39,6 +39,7 @@ from sparse_mla_work import D_QK, D_V, TOPK, work
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
     auto_config,
+    get_config,
     sparse_mla_fwd,
 )
 
@@ -136,14 +137,24 @@ CAP = (9, 0)  # set from the device in main()
 FAMILIES = [("triton", CAP), ("triton-sm120cfg", (12, 0))]
 
 
-def family_call(cap, h_q, dtype, s_q, num_sms, picks):
+def family_call(cap, h_q, dtype, s_q, picks):
     """(config, num_splits) exactly as sparse_mla_fwd's auto path decides on
-    a device of capability ``cap``; prefill configs replaced by the sweep's
-    picks where given (picks[(cap major, bucket)])."""
-    cfg, ns = auto_config(cap, s_q, h_q, TOPK, dtype, num_sms)
-    if ns > 1:
-        return cfg, ns
-    return picks.get((cap[0], bucket(h_q)), cfg), 1
+    a device of capability ``cap`` with this GPU's SMs; the prefill config
+    replaced by the sweep's pick where given (picks[(cap major, bucket)])."""
+    p = torch.cuda.get_device_properties(0)
+    cfg, ns = auto_config(
+        cap,
+        s_q,
+        h_q,
+        TOPK,
+        dtype,
+        p.multi_processor_count,
+        None,
+        p.shared_memory_per_multiprocessor,
+    )
+    if ns == 1 and cfg == get_config(cap, h_q, dtype, "prefill"):
+        cfg = picks.get((cap[0], bucket(h_q)), cfg)
+    return cfg, ns
 
 
 def bucket(h_q):
@@ -158,7 +169,6 @@ def metrics(s_q, h_q, elt, ms, copy_bw, mm_rate):
 
 
 def run_bench(args, op, copy_bw, mm_rate, picks):
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     pools = {
@@ -175,7 +185,7 @@ def run_bench(args, op, copy_bw, mm_rate, picks):
                 out = torch.empty(s_q, h_q, D_V, device="cuda", dtype=dtype)
                 res, calls = {}, []
                 for name, cap in FAMILIES:
-                    cfg, ns = family_call(cap, h_q, dtype, s_q, num_sms, picks)
+                    cfg, ns = family_call(cap, h_q, dtype, s_q, picks)
                     if name == "triton-nogluon" and (cfg, ns) in calls:
                         continue  # no Gluon kernel here: same as "triton"
                     calls.append((cfg, ns))
@@ -283,27 +293,27 @@ def run_sweep(kv_bf16, gen, part=(0, 1)):
                 print(lines[-1], flush=True)
             if best is not None:
                 picks[(major, bkt)] = best[1]
-    # Decode: the tables' configs against their alternatives, at the
-    # heuristic's split count and its neighbours.
-    dcands = {
-        8: [C(16, 32, 4, 3, hoist=True), C(16, 32, 4, 5), C(16, 64, 4, 2)],
-        64: [
-            C(64, 64, 8, 2, gluon=True),
-            C(32, 16, 4, 5),
-            C(32, 16, 4, 3, hoist=True),
-        ],
-    }
-    for h_q, s_q, nss in [
-        (8, 1, (32, 64)),
-        (8, 16, (8, 16, 32)),
-        (8, 64, (2, 4, 8)),
-        (64, 1, (32, 64)),
-        (64, 16, (4, 8, 16)),
-    ]:
+    # Decode: this GPU's and SM12x's decode configs and one alternative, at
+    # the split count auto_config gives each and at half and twice that.
+    p = torch.cuda.get_device_properties(0)
+    for h_q, s_q in [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)]:
         sets = input_sets(s_q, h_q, torch.bfloat16, gen, n_rotate(s_q))
         out = torch.empty(s_q, h_q, D_V, device="cuda", dtype=torch.bfloat16)
-        for cfg in dcands[h_q]:
-            for ns in nss:
+        cfgs = [get_config(c, h_q, torch.bfloat16, "decode") for c in (CAP, (12, 0))]
+        cfgs += [C(16, 64, 4, 2), C(16, 32, 4, 3, hoist=True)]
+        for cfg in dict.fromkeys(cfgs):
+            _, auto_ns = auto_config(
+                CAP,
+                s_q,
+                h_q,
+                TOPK,
+                torch.bfloat16,
+                p.multi_processor_count,
+                cfg,
+                p.shared_memory_per_multiprocessor,
+            )
+            least = 2 if cfg.gluon else 1  # no one-pass Gluon split kernel
+            for ns in sorted({max(least, auto_ns // 2), auto_ns, auto_ns * 2}):
                 k += 1
                 if k % part[1] != part[0]:
                     continue
@@ -567,9 +577,10 @@ def main():
             f.write("# Sparse MLA timings\n\n" + head + "\n\n" + ceil_txt + "\n\n")
             f.write(
                 "topk 2048, d_qk 576, d_v 512, kv pool 262,144 rows, unique random indices per token. "
-                "`triton`: this GPU's path and configs (auto: split over topk for few tokens; prefill "
-                "config = the sweep's pick, see below); `triton-sm120cfg`: what SM120/SM121 would run "
-                "(their decode configs, the sweep's SM120-legal prefill pick), run here; `triton-nogluon` (SM90 "
+                "`triton`: this GPU's tables, config and split count as sparse_mla_fwd's auto_config "
+                "picks them for this GPU (with --sweep, the prefill configs are the sweep's picks, see "
+                "below); `triton-sm120cfg`: the SM120/SM121 tables, picked the same way for this GPU's "
+                "SMs, run here; `triton-nogluon` (SM90 "
                 "only, rows where it differs): the Triton kernel with the configs SM100 uses, i.e. without the "
                 "Hopper Gluon kernels; `flashmla`: "
                 "_flashmla_C.sparse_prefill_fwd from the pinned wheel, bf16 only, h_q padded to 64 "

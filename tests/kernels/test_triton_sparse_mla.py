@@ -27,7 +27,6 @@ from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
     all_configs,
     auto_config,
-    choose_num_splits,
     get_config,
     req_topk_to_slots,
     sparse_mla_fwd,
@@ -196,15 +195,34 @@ def test_decode_split_path(dtype, h_q, num_splits, variant):
     check(res, ref_sparse_mla(q, kv, idx, SCALE), dtype, empty_rows=[1])
 
 
-def test_split_heuristic():
-    sms = 132
-    # One token: split; many tokens: one pass; never more splits than
-    # row blocks.
-    assert choose_num_splits(1, 64, 2048, 64, 32, sms) > 8
-    assert choose_num_splits(4, 8, 2048, 16, 64, sms) > 1
-    assert choose_num_splits(1024, 64, 2048, 64, 32, sms) == 1
-    assert choose_num_splits(1, 64, 40, 64, 16, sms) == 3
-    assert choose_num_splits(1, 64, 16, 64, 16, sms) == 1
+def test_split_choice_bounds():
+    """One token: split; many tokens: one pass; never more splits than row
+    blocks; nothing to gather: no split."""
+    dt = torch.bfloat16
+    for cap in [(9, 0), (10, 0), (12, 0)]:
+        assert auto_config(cap, 1, 64, 2048, dt, 132)[1] > 8
+        assert auto_config(cap, 4, 8, 2048, dt, 132)[1] > 1
+        assert auto_config(cap, 1024, 64, 2048, dt, 132)[1] == 1
+    forced = SparseMLAConfig(64, 16, 4, 2)
+    assert auto_config((12, 0), 1, 64, 40, dt, 132, forced) == (forced, 3)
+    assert auto_config((12, 0), 1, 64, 16, dt, 132, forced) == (forced, 1)
+    assert auto_config((12, 0), 1, 64, 0, dt, 132)[1] == 1
+
+
+def test_split_choice_counts_resident_ctas():
+    """Cases timed on H200 (bench/results/sparse_mla_h200.md, path sweep):
+    the choice fills whole waves of the CTAs an SM holds at once."""
+    cap, dt = (12, 0), torch.bfloat16
+    decode = get_config(cap, 64, dt, "decode")
+    two_per_sm, one_per_sm = 233472, 102400  # H200; SM120 (100 KB per SM)
+    # 4 tokens x 8 heads: 64 splits are one wave of 2 x 132 slots; with one
+    # CTA per SM, 32 splits (one wave of 128 CTAs: 12.5 us, 64 splits 15.2).
+    assert auto_config(cap, 4, 8, 2048, dt, 132, None, two_per_sm)[1] == 64
+    assert auto_config(cap, 4, 8, 2048, dt, 132, None, one_per_sm)[1] == 32
+    # 64 tokens x 64 heads, two CTAs per SM: the decode config's 256 16-head
+    # CTAs in one pass fill one wave; the prefill config's 128 32-head CTAs
+    # left half the slots idle (139 vs 191 us).
+    assert auto_config(cap, 64, 64, 2048, dt, 132, None, two_per_sm) == (decode, 1)
 
 
 @pytest.mark.parametrize("cap", [(9, 0), (10, 0), (12, 0)])

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sparse MLA: every path the automatic choice can take, timed against the
+choice itself (bf16, GLM-5 shapes, topk 2048).
+
+For each (h_q, s_q): the table's prefill config in one pass, and its decode
+config over topk in 1, 2, 4, ... splits (up to three waves of CTAs), then
+``sparse_mla_fwd``'s own choice (``auto_config``). Prints a markdown table
+(choice, fastest option, ratio) and appends every timing as JSON lines, the
+data ``auto_config``'s cost model was fitted to.
+
+Modes (``--modes``):
+- ``sm90``: the Hopper tables on this GPU;
+- ``sm12``: the SM12x tables on this GPU, as many CTAs per SM as fit;
+- ``sm12-1cta``: the SM12x tables with one CTA per SM, as on SM120, whose
+  100 KB SMs hold one CTA of these configs. The Triton kernel is launched
+  with 116 KB of dynamic shared memory (it uses <= 99 KB), which a 228 KB
+  SM fits once; this patches Triton 3.6's compiled-kernel launch metadata.
+
+    python bench/sweep_sparse_mla_paths.py --modes sm12-1cta sm12 sm90 \
+        --out paths.md --jsonl paths.jsonl
+"""
+
+# Long lines are markdown table text; the lambdas handed to timed() are
+# called before the loop moves on.
+# ruff: noqa: E501, B023
+import argparse
+import contextlib
+import json
+import math
+
+import torch
+import triton
+import triton.testing
+from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate
+from sparse_mla_work import D_QK, D_V, TOPK
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+MODES = {
+    "sm90": ((9, 0), False),
+    "sm12": ((12, 0), False),
+    "sm12-1cta": ((12, 0), True),
+}
+SQ_LIST = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384]  # fmt: skip
+ONE_CTA_SHARED = 116 * 1024
+SM120_SHARED_PER_SM = 102400
+
+
+@contextlib.contextmanager
+def one_cta_per_sm():
+    """Launch the Triton kernel's compiled variants with enough dynamic
+    shared memory that an SM holds one CTA (a CUDA graph captured inside
+    keeps it); restored on exit."""
+    saved = []
+    for cache in tsm._sparse_mla_fwd_kernel.device_caches.values():
+        for kernel in cache[0].values():
+            kernel._init_handles()
+            warps, ctas, shared = kernel.packed_metadata
+            saved.append((kernel, kernel.packed_metadata))
+            kernel.packed_metadata = (warps, ctas, max(shared, ONE_CTA_SHARED))
+    try:
+        yield
+    finally:
+        for kernel, meta in saved:
+            kernel.packed_metadata = meta
+
+
+def timed(fn, sets, one_cta):
+    """Median µs per call over CUDA-graph replays of all input sets (as
+    bench_sparse_mla.timed)."""
+    for a in sets:
+        fn(*a)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    pinned = one_cta_per_sm() if one_cta else contextlib.nullcontext()
+    with pinned, torch.cuda.graph(g):
+        for a in sets:
+            fn(*a)
+    ms = triton.testing.do_bench(g.replay, warmup=5, rep=30, return_mode="median")
+    return ms / len(sets) * 1e3
+
+
+def options(cap, h_q, s_q, num_sms, shared):
+    """(label, config, num_splits) of every path auto_config weighs."""
+    dt = torch.bfloat16
+    pre = tsm.get_config(cap, h_q, dt, "prefill")
+    dec = tsm.get_config(cap, h_q, dt, "decode")
+    out = [("prefill", pre, 1)]
+    hblocks = triton.cdiv(h_q, tsm._block_h(dec, h_q))
+    slots = num_sms * tsm._resident_ctas(dec, tsm._block_h(dec, h_q), shared)
+    n = 1
+    while n <= min(64, triton.cdiv(TOPK, dec.block_n)):
+        if not (n == 1 and dec.gluon) and (n <= 2 or s_q * hblocks * n <= 3 * slots):
+            out.append((f"decode/{n}", dec, n))
+        n *= 2
+    return out
+
+
+def label(cap, h_q, cfg, ns):
+    if ns > 1:
+        return f"decode/{ns}"
+    return (
+        "prefill"
+        if cfg == tsm.get_config(cap, h_q, torch.bfloat16, "prefill")
+        else "decode/1"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--heads", nargs="+", type=int, default=[8, 16, 32, 64, 128])
+    ap.add_argument(
+        "--sq",
+        nargs="+",
+        type=int,
+        default=SQ_LIST,
+    )
+    ap.add_argument("--out", default=None, help="markdown summary")
+    ap.add_argument("--jsonl", default=None, help="append every timing here")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(POOL, 1, D_QK, device="cuda", generator=gen).to(torch.bfloat16)
+    lines = []
+    for mode in args.modes:
+        cap, one_cta = MODES[mode]
+        if one_cta and not hasattr(tsm._sparse_mla_fwd_kernel, "device_caches"):
+            raise SystemExit("sm12-1cta needs Triton 3.6's JITFunction.device_caches")
+        shared = (
+            SM120_SHARED_PER_SM if one_cta else props.shared_memory_per_multiprocessor
+        )
+        lines += [
+            "",
+            f"**{mode}** ({cap[0]}.{cap[1]} tables, {props.multi_processor_count} SMs, {shared} B of shared memory per SM as auto_config sees it)",
+            "",
+            "| h_q | s_q | choice | µs | fastest | µs | choice / fastest |",
+            "|---:|---:|---|---:|---|---:|---:|",
+        ]
+        ratios = []
+        for h_q in args.heads:
+            for s_q in args.sq:
+                sets = input_sets(s_q, h_q, torch.bfloat16, gen, n_rotate(s_q))
+                out = torch.empty(s_q, h_q, D_V, device="cuda", dtype=torch.bfloat16)
+                times = {}
+                for name, cfg, ns in options(
+                    cap, h_q, s_q, props.multi_processor_count, shared
+                ):
+                    times[name] = timed(
+                        lambda q, i: tsm.sparse_mla_fwd(
+                            q, kv, i, SCALE, out=out, num_splits=ns, config=cfg
+                        ),
+                        sets,
+                        one_cta,
+                    )
+                cfg, ns = tsm.auto_config(
+                    cap,
+                    s_q,
+                    h_q,
+                    TOPK,
+                    torch.bfloat16,
+                    props.multi_processor_count,
+                    None,
+                    shared,
+                )
+                pick = label(cap, h_q, cfg, ns)
+                best = min(times, key=times.get)
+                ratios.append(times[pick] / times[best])
+                lines.append(
+                    f"| {h_q} | {s_q} | {pick} | {times[pick]:.1f} | {best} | {times[best]:.1f} | {ratios[-1]:.2f} |"
+                )
+                print(mode, lines[-1], flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as f:
+                        rec = {
+                            "mode": mode,
+                            "h_q": h_q,
+                            "s_q": s_q,
+                            "choice": pick,
+                            "times_us": times,
+                        }
+                        f.write(json.dumps(rec) + "\n")
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append("")
+        lines.append(
+            f"{mode}: choice / fastest option, geometric mean {geo:.3f}, worst {max(ratios):.2f}, "
+            f"within 5 % in {sum(r <= 1.05 for r in ratios)} of {len(ratios)} cases."
+        )
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
