@@ -27,6 +27,7 @@ Modes (``--modes``):
 # ruff: noqa: E501, B023
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 
@@ -47,6 +48,16 @@ ONE_CTA_SHARED = 116 * 1024
 SM120_SHARED_PER_SM = 102400
 
 
+def _allow_dynamic_shared(function: int, nbytes: int) -> None:
+    """Triton raises a kernel's dynamic shared-memory limit only when it
+    needs more than 48 KB; a smaller kernel launched with more must be
+    allowed it (cuFuncSetAttribute, MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    err = libcuda.cuFuncSetAttribute(ctypes.c_void_p(function), 8, ctypes.c_int(nbytes))
+    if err != 0:
+        raise RuntimeError(f"cuFuncSetAttribute failed: CUresult {err}")
+
+
 @contextlib.contextmanager
 def one_cta_per_sm():
     """Launch the Triton kernel's compiled variants with enough dynamic
@@ -58,7 +69,9 @@ def one_cta_per_sm():
             kernel._init_handles()
             warps, ctas, shared = kernel.packed_metadata
             saved.append((kernel, kernel.packed_metadata))
-            kernel.packed_metadata = (warps, ctas, max(shared, ONE_CTA_SHARED))
+            if shared < ONE_CTA_SHARED:
+                _allow_dynamic_shared(kernel.function, ONE_CTA_SHARED)
+                kernel.packed_metadata = (warps, ctas, ONE_CTA_SHARED)
     try:
         yield
     finally:
