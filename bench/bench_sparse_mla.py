@@ -27,6 +27,7 @@ as in vLLM's CUDA-graph decode. FLOPs = 2*s_q*h_q*topk*(576+
 # called before the loop moves on.
 # ruff: noqa: E501, B023
 import argparse
+import contextlib
 import datetime
 import json
 import subprocess
@@ -35,6 +36,7 @@ import sys
 import torch
 import triton
 import triton.testing
+from sm120_occupancy import SM120_SHARED_PER_SM, available, one_cta_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK, work
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
@@ -91,10 +93,11 @@ def input_sets(s_q, h_q, dtype, gen, n_sets):
 WARM_ONLY = False
 
 
-def timed(fn, sets):
+def timed(fn, sets, one_cta=False):
     """Median µs of one call. The calls over all input sets are captured in
     one CUDA graph (as vLLM runs decode), so host launch overhead is out of
-    the number; do_bench flushes L2 before each replay."""
+    the number; do_bench flushes L2 before each replay. ``one_cta``: one
+    CTA of the Triton kernel per SM, as on SM120 (sm120_occupancy)."""
     if WARM_ONLY:  # compile (fills Triton's cache for the timed run) only
         fn(*sets[0])
         return 1.0
@@ -102,7 +105,8 @@ def timed(fn, sets):
         fn(*a)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    pinned = one_cta_per_sm() if one_cta else contextlib.nullcontext()
+    with pinned, torch.cuda.graph(g):
         for a in sets:
             fn(*a)
     ms = triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")
@@ -132,16 +136,19 @@ def ceilings():
 
 
 CAP = (9, 0)  # set from the device in main()
-# (name, capability whose configs run): this GPU's; on SM90 also its Triton
-# kernel without the Gluon kernels (the configs SM100 uses); SM120's.
-FAMILIES = [("triton", CAP), ("triton-sm120cfg", (12, 0))]
+# (name, capability whose configs run, one CTA per SM): this GPU's; on SM90
+# also its Triton kernel without the Gluon kernels (the configs SM100 uses);
+# SM120's, at this GPU's occupancy and (where it can be pinned) at SM120's.
+FAMILIES = [("triton", CAP, False), ("triton-sm120cfg", (12, 0), False)]
 
 
-def family_call(cap, h_q, dtype, s_q, picks):
+def family_call(cap, h_q, dtype, s_q, picks, one_cta=False):
     """(config, num_splits) exactly as sparse_mla_fwd's auto path decides on
-    a device of capability ``cap`` with this GPU's SMs; the prefill config
-    replaced by the sweep's pick where given (picks[(cap major, bucket)])."""
+    a device of capability ``cap`` with this GPU's SMs (and SM120's shared
+    memory per SM with ``one_cta``); the prefill config replaced by the
+    sweep's pick where given (picks[(cap major, bucket)])."""
     p = torch.cuda.get_device_properties(0)
+    shared = SM120_SHARED_PER_SM if one_cta else p.shared_memory_per_multiprocessor
     cfg, ns = auto_config(
         cap,
         s_q,
@@ -150,7 +157,7 @@ def family_call(cap, h_q, dtype, s_q, picks):
         dtype,
         p.multi_processor_count,
         None,
-        p.shared_memory_per_multiprocessor,
+        shared,
     )
     if ns == 1 and cfg == get_config(cap, h_q, dtype, "prefill"):
         cfg = picks.get((cap[0], bucket(h_q)), cfg)
@@ -184,8 +191,8 @@ def run_bench(args, op, copy_bw, mm_rate, picks):
                 sets = input_sets(s_q, h_q, dtype, gen, n_rotate(s_q))
                 out = torch.empty(s_q, h_q, D_V, device="cuda", dtype=dtype)
                 res, calls = {}, []
-                for name, cap in FAMILIES:
-                    cfg, ns = family_call(cap, h_q, dtype, s_q, picks)
+                for name, cap, one_cta in FAMILIES:
+                    cfg, ns = family_call(cap, h_q, dtype, s_q, picks, one_cta)
                     if name == "triton-nogluon" and (cfg, ns) in calls:
                         continue  # no Gluon kernel here: same as "triton"
                     calls.append((cfg, ns))
@@ -194,6 +201,7 @@ def run_bench(args, op, copy_bw, mm_rate, picks):
                             q, kv, i, SCALE, out=out, num_splits=ns, config=cfg
                         ),
                         sets,
+                        one_cta,
                     )
                 if op is not None and dtype == torch.bfloat16:
                     hp = max(
@@ -532,9 +540,11 @@ def main():
     print(ceil_txt, flush=True)
     global CAP, FAMILIES
     CAP = torch.cuda.get_device_capability()
-    FAMILIES = [("triton", CAP), ("triton-sm120cfg", (12, 0))]
+    FAMILIES = [("triton", CAP, False), ("triton-sm120cfg", (12, 0), False)]
     if CAP[0] == 9:
-        FAMILIES.insert(1, ("triton-nogluon", (10, 0)))
+        FAMILIES.insert(1, ("triton-nogluon", (10, 0), False))
+    if CAP[0] != 12 and available():
+        FAMILIES.append(("triton-sm120-1cta", (12, 0), True))
     sweep, picks = [], {}
     if args.sweep:
         gen = torch.Generator(device="cuda").manual_seed(2)
@@ -580,7 +590,9 @@ def main():
                 "`triton`: this GPU's tables, config and split count as sparse_mla_fwd's auto_config "
                 "picks them for this GPU (with --sweep, the prefill configs are the sweep's picks, see "
                 "below); `triton-sm120cfg`: the SM120/SM121 tables, picked the same way for this GPU's "
-                "SMs, run here; `triton-nogluon` (SM90 "
+                "SMs, run here; `triton-sm120-1cta`: the same with one CTA per SM, as on SM120 (emulated: "
+                "launched with 116 KB of dynamic shared memory, auto_config told 100 KB per SM; see "
+                "bench/sm120_occupancy.py); `triton-nogluon` (SM90 "
                 "only, rows where it differs): the Triton kernel with the configs SM100 uses, i.e. without the "
                 "Hopper Gluon kernels; `flashmla`: "
                 "_flashmla_C.sparse_prefill_fwd from the pinned wheel, bf16 only, h_q padded to 64 "

@@ -27,7 +27,6 @@ Modes (``--modes``):
 # ruff: noqa: E501, B023
 import argparse
 import contextlib
-import ctypes
 import json
 import math
 
@@ -35,6 +34,7 @@ import torch
 import triton
 import triton.testing
 from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate
+from sm120_occupancy import SM120_SHARED_PER_SM, available, one_cta_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -44,39 +44,6 @@ MODES = {
     "sm12-1cta": ((12, 0), True),
 }
 SQ_LIST = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384]  # fmt: skip
-ONE_CTA_SHARED = 116 * 1024
-SM120_SHARED_PER_SM = 102400
-
-
-def _allow_dynamic_shared(function: int, nbytes: int) -> None:
-    """Triton raises a kernel's dynamic shared-memory limit only when it
-    needs more than 48 KB; a smaller kernel launched with more must be
-    allowed it (cuFuncSetAttribute, MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    err = libcuda.cuFuncSetAttribute(ctypes.c_void_p(function), 8, ctypes.c_int(nbytes))
-    if err != 0:
-        raise RuntimeError(f"cuFuncSetAttribute failed: CUresult {err}")
-
-
-@contextlib.contextmanager
-def one_cta_per_sm():
-    """Launch the Triton kernel's compiled variants with enough dynamic
-    shared memory that an SM holds one CTA (a CUDA graph captured inside
-    keeps it); restored on exit."""
-    saved = []
-    for cache in tsm._sparse_mla_fwd_kernel.device_caches.values():
-        for kernel in cache[0].values():
-            kernel._init_handles()
-            warps, ctas, shared = kernel.packed_metadata
-            saved.append((kernel, kernel.packed_metadata))
-            if shared < ONE_CTA_SHARED:
-                _allow_dynamic_shared(kernel.function, ONE_CTA_SHARED)
-                kernel.packed_metadata = (warps, ctas, ONE_CTA_SHARED)
-    try:
-        yield
-    finally:
-        for kernel, meta in saved:
-            kernel.packed_metadata = meta
 
 
 def timed(fn, sets, one_cta):
@@ -139,8 +106,8 @@ def main():
     lines = []
     for mode in args.modes:
         cap, one_cta = MODES[mode]
-        if one_cta and not hasattr(tsm._sparse_mla_fwd_kernel, "device_caches"):
-            raise SystemExit("sm12-1cta needs Triton 3.6's JITFunction.device_caches")
+        if one_cta and not available():
+            raise SystemExit("sm12-1cta: this GPU or Triton cannot pin one CTA per SM")
         shared = (
             SM120_SHARED_PER_SM if one_cta else props.shared_memory_per_multiprocessor
         )
