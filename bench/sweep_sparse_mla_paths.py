@@ -26,15 +26,13 @@ Modes (``--modes``):
 # called before the loop moves on.
 # ruff: noqa: E501, B023
 import argparse
-import contextlib
 import json
 import math
 
 import torch
 import triton
-import triton.testing
-from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate
-from sm120_occupancy import SM120_SHARED_PER_SM, available, one_cta_per_sm
+from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate, timed
+from sm120_occupancy import SM120_SHARED_PER_SM, available
 from sparse_mla_work import D_QK, D_V, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -44,21 +42,6 @@ MODES = {
     "sm12-1cta": ((12, 0), True),
 }
 SQ_LIST = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384]  # fmt: skip
-
-
-def timed(fn, sets, one_cta):
-    """Median µs per call over CUDA-graph replays of all input sets (as
-    bench_sparse_mla.timed)."""
-    for a in sets:
-        fn(*a)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    pinned = one_cta_per_sm() if one_cta else contextlib.nullcontext()
-    with pinned, torch.cuda.graph(g):
-        for a in sets:
-            fn(*a)
-    ms = triton.testing.do_bench(g.replay, warmup=5, rep=30, return_mode="median")
-    return ms / len(sets) * 1e3
 
 
 def options(cap, h_q, s_q, num_sms, shared):
@@ -127,13 +110,14 @@ def main():
                 for name, cfg, ns in options(
                     cap, h_q, s_q, props.multi_processor_count, shared
                 ):
-                    times[name] = timed(
+                    ms = timed(
                         lambda q, i: tsm.sparse_mla_fwd(
                             q, kv, i, SCALE, out=out, num_splits=ns, config=cfg
                         ),
                         sets,
                         one_cta,
                     )
+                    times[name] = ms * 1e3
                 cfg, ns = tsm.auto_config(
                     cap,
                     s_q,
