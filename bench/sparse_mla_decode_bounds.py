@@ -169,10 +169,14 @@ def run_timings(heads):
     return lines
 
 
-def _tool(name):
+def _run_tool(name, *args):
+    """stdout of one of the CUDA tools Triton ships (nvdisasm, cuobjdump)."""
     import triton.backends.nvidia as nv
 
-    return os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    return subprocess.run(
+        [tool, *args], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def loop_report(capability, cfg, path="decode"):
@@ -183,18 +187,8 @@ def loop_report(capability, cfg, path="decode"):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        sass = subprocess.run(
-            [_tool("nvdisasm"), "-c", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        res = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        sass = _run_tool("nvdisasm", "-c", f.name)
+        res = _run_tool("cuobjdump", "-res-usage", f.name)
     lines = sass.splitlines()
     # The loop: the first branch back to a label above it, from that label.
     labels = {s[:-1]: i for i, s in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", s)}
