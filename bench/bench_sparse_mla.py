@@ -36,7 +36,7 @@ import sys
 import torch
 import triton
 import triton.testing
-from sm120_occupancy import SM120_SHARED_PER_SM, available, one_cta_per_sm
+from sm120_occupancy import available, one_cta_per_sm, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK, work
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
@@ -147,18 +147,8 @@ def family_call(cap, h_q, dtype, s_q, picks, one_cta=False):
     a device of capability ``cap`` with this GPU's SMs (and SM120's shared
     memory per SM with ``one_cta``); the prefill config replaced by the
     sweep's pick where given (picks[(cap major, bucket)])."""
-    p = torch.cuda.get_device_properties(0)
-    shared = SM120_SHARED_PER_SM if one_cta else p.shared_memory_per_multiprocessor
-    cfg, ns = auto_config(
-        cap,
-        s_q,
-        h_q,
-        TOPK,
-        dtype,
-        p.multi_processor_count,
-        None,
-        shared,
-    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg, ns = auto_config(cap, s_q, h_q, TOPK, dtype, sms, None, shared_per_sm(one_cta))
     if ns == 1 and cfg == get_config(cap, h_q, dtype, "prefill"):
         cfg = picks.get((cap[0], bucket(h_q)), cfg)
     return cfg, ns

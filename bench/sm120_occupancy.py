@@ -20,6 +20,14 @@ ONE_CTA_SHARED = 116 * 1024
 SM120_SHARED_PER_SM = 102400  # what auto_config is told for these rows
 
 
+def shared_per_sm(one_cta: bool) -> int:
+    """Shared memory per SM that auto_config should be told: SM120's with
+    one CTA per SM, this GPU's otherwise."""
+    if one_cta:
+        return SM120_SHARED_PER_SM
+    return torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+
+
 def available() -> bool:
     """Whether this GPU and Triton can emulate it: one pinned CTA must fit
     a block, two must not fit an SM."""

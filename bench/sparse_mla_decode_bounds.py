@@ -35,7 +35,7 @@ import tempfile
 import torch
 import triton
 import triton.language as tl
-from sm120_occupancy import SM120_SHARED_PER_SM, available
+from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -124,7 +124,7 @@ def run_timings(heads):
         torch.bfloat16
     )
     copy_bw, _ = bench.ceilings()
-    sms, shared = tsm._device_sms(kv.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     own_cap = torch.cuda.get_device_capability()
     lines = [
         f"Copy bandwidth in this run: {copy_bw / 1e12:.2f} TB/s (read + write). Copy-bound = the gathered bytes (s_q × 2048 × 576 × 2) at that rate. µs per call.",
@@ -132,40 +132,39 @@ def run_timings(heads):
         "| tables | h_q | s_q | config × splits | call | main | merge (call − main) | main, rows in L2 | gather floor (splits) | copy-bound | call ÷ floor |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    saved_cap = tsm._capability
-    try:
-        for s_q in SQ_LIST:
-            floor_sets = bench.input_sets(
-                s_q, 8, torch.bfloat16, gen, bench.n_rotate(s_q)
-            )
-            floor, f_splits = gather_floor(kv, floor_sets, s_q, bench.timed)
-            copy_us = s_q * TOPK * D_QK * 2 / copy_bw * 1e6
-            for name, (cap, one_cta) in TABLES.items():
-                if one_cta and not available():
-                    continue
-                cap = cap or own_cap
-                tsm._capability = lambda d, cap=cap: cap
-                per_sm = SM120_SHARED_PER_SM if one_cta else shared
-                for h_q in heads:
-                    sets = bench.input_sets(
-                        s_q, h_q, torch.bfloat16, gen, bench.n_rotate(s_q)
-                    )
-                    cfg, splits = tsm.auto_config(
-                        cap, s_q, h_q, TOPK, torch.bfloat16, sms, None, per_sm
-                    )
-                    t_call, t_main, t_l2 = (
-                        t * 1e3
-                        for t in time_case(kv, sets, bench.timed, cfg, splits, one_cta)
-                    )
-                    label = f"{tuple(cfg)[:4]}{' hoist' if cfg.hoist else ''}{' gluon' if cfg.gluon else ''} × {splits}"
-                    lines.append(
-                        f"| {name} | {h_q} | {s_q} | {label} | {t_call:.1f} | {t_main:.1f} | "
-                        f"{t_call - t_main:.1f} | {t_l2:.1f} | {floor * 1e3:.1f} ({f_splits}) | "
-                        f"{copy_us:.1f} | {t_call / (floor * 1e3):.2f} |"
-                    )
-                    print(lines[-1], flush=True)
-    finally:
-        tsm._capability = saved_cap
+    for s_q in SQ_LIST:
+        floor_sets = bench.input_sets(s_q, 8, torch.bfloat16, gen, bench.n_rotate(s_q))
+        floor, f_splits = gather_floor(kv, floor_sets, s_q, bench.timed)
+        copy_us = s_q * TOPK * D_QK * 2 / copy_bw * 1e6
+        for name, (cap, one_cta) in TABLES.items():
+            if one_cta and not available():
+                continue
+            cap = cap or own_cap
+            for h_q in heads:
+                sets = bench.input_sets(
+                    s_q, h_q, torch.bfloat16, gen, bench.n_rotate(s_q)
+                )
+                cfg, splits = tsm.auto_config(
+                    cap,
+                    s_q,
+                    h_q,
+                    TOPK,
+                    torch.bfloat16,
+                    sms,
+                    None,
+                    shared_per_sm(one_cta),
+                )
+                t_call, t_main, t_l2 = (
+                    t * 1e3
+                    for t in time_case(kv, sets, bench.timed, cfg, splits, one_cta)
+                )
+                label = f"{tuple(cfg)[:4]}{' hoist' if cfg.hoist else ''}{' gluon' if cfg.gluon else ''} × {splits}"
+                lines.append(
+                    f"| {name} | {h_q} | {s_q} | {label} | {t_call:.1f} | {t_main:.1f} | "
+                    f"{t_call - t_main:.1f} | {t_l2:.1f} | {floor * 1e3:.1f} ({f_splits}) | "
+                    f"{copy_us:.1f} | {t_call / (floor * 1e3):.2f} |"
+                )
+                print(lines[-1], flush=True)
     return lines
 
 

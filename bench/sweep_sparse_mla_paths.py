@@ -32,7 +32,7 @@ import math
 import torch
 import triton
 from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate, timed
-from sm120_occupancy import SM120_SHARED_PER_SM, available
+from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -91,9 +91,7 @@ def main():
         cap, one_cta = MODES[mode]
         if one_cta and not available():
             raise SystemExit("sm12-1cta: this GPU or Triton cannot pin one CTA per SM")
-        shared = (
-            SM120_SHARED_PER_SM if one_cta else props.shared_memory_per_multiprocessor
-        )
+        shared = shared_per_sm(one_cta)
         lines += [
             "",
             f"**{mode}** ({cap[0]}.{cap[1]} tables, {props.multi_processor_count} SMs, {shared} B of shared memory per SM as auto_config sees it)",
