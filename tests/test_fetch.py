@@ -1,6 +1,7 @@
 """Downloads: verified before use, nothing half-written left in the cache."""
 
 import hashlib
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,42 @@ def test_corrupt_cached_file_is_named_not_used(index):
     url, sha, cache, _ = index
     cache.mkdir()
     (cache / "demo-1.0.tar.gz").write_bytes(b"truncated")
-    with pytest.raises(SeriesError, match="cached .*demo-1.0.tar.gz has sha256"):
+    with pytest.raises(SeriesError) as err:
         fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
+    message = str(err.value)
+    assert str(cache / "demo-1.0.tar.gz") in message and sha in message
+    assert hashlib.sha256(b"truncated").hexdigest() in message
+    assert (cache / "demo-1.0.tar.gz").read_bytes() == b"truncated"  # not used, not deleted
+
+
+def test_wrong_pin_with_good_cache_says_they_disagree(index):
+    """A mistyped sha256 in vllm-pin.txt must not send the user off to delete
+    a valid cached file: the message shows both values and where each is from."""
+    url, sha, cache, _ = index
+    fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])  # a good cache entry
+    wrong = "0" * 64
+    with pytest.raises(SeriesError) as err:
+        fetch_file("demo", "demo-1.0.tar.gz", wrong, indexes=[url])
+    message = str(err.value)
+    assert "disagree" in message
+    assert f"vllm-pin.txt says sha256 {wrong}" in message
+    assert f"{cache / 'demo-1.0.tar.gz'} has sha256 {sha}" in message
+    assert "git diff vllm-pin.txt" in message  # how to resolve
+    assert (cache / "demo-1.0.tar.gz").exists()
+
+
+@pytest.mark.parametrize("listed, verdict", [
+    ("file", "the package index lists the cached file's sha256: vllm-pin.txt is wrong"),
+    ("pin", "the package index lists the pinned sha256: the cached file is damaged"),
+])
+def test_disagreement_names_the_side_the_index_takes(index, listed, verdict):
+    url, sha, cache, files = index
+    fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
+    wrong = "0" * 64
+    page = Path(urllib.parse.urlparse(url).path) / "demo" / "index.html"
+    page.write_text(page.read_text().replace("#sha256=x", f"#sha256={sha if listed == 'file' else wrong}"))
+    with pytest.raises(SeriesError, match=verdict):
+        fetch_file("demo", "demo-1.0.tar.gz", wrong, indexes=[url])
 
 
 def test_missing_file_names_the_indexes(index):
