@@ -6,7 +6,8 @@
 #                                     wheel (sm_75 ... sm_120); no CUDA compile.
 #   BUILD_MODE=source                 full CUDA build; TORCH_CUDA_ARCH_LIST
 #                                     (default 12.0), MAX_JOBS and NVCC_THREADS
-#                                     (default from cores and memory, see
+#                                     (vLLM's meaning: MAX_JOBS // NVCC_THREADS
+#                                     jobs; default from cores and memory, see
 #                                     scripts/patchseries/jobs.py).
 #   VENV=<dir>        build environment (default .venv; made if missing)
 #   VLLM_SRC=<dir>    use a clean vLLM git checkout at the pinned commit
@@ -23,6 +24,13 @@ esac
 
 step() { printf '\n==> %s\n' "$*"; }
 series() { python3 scripts/series.py "$@"; }
+
+# Checked first, so that a missing nvcc or a bad MAX_JOBS costs no torch install.
+if [ "$BUILD_MODE" = source ]; then
+  command -v nvcc >/dev/null || { echo "error: BUILD_MODE=source needs nvcc (CUDA toolkit) on PATH" >&2; exit 1; }
+  parallelism=$(series jobs)  # MAX_JOBS NVCC_THREADS jobs; fails on a bad MAX_JOBS/NVCC_THREADS
+  read -r max_jobs nvcc_threads jobs <<<"$parallelism"
+fi
 
 step "build environment ($VENV)"
 TORCH_VERSION=$(series pin torch)
@@ -58,10 +66,10 @@ if [ "$BUILD_MODE" = precompiled ]; then
   WHEEL=$(series fetch wheel)
   env_args+=(VLLM_USE_PRECOMPILED=1 VLLM_PRECOMPILED_WHEEL_LOCATION="$WHEEL")
 else
-  command -v nvcc >/dev/null || { echo "error: BUILD_MODE=source needs nvcc (CUDA toolkit) on PATH" >&2; exit 1; }
-  read -r jobs threads < <(series jobs)
-  env_args+=(TORCH_CUDA_ARCH_LIST="$ARCHS" MAX_JOBS="$jobs" NVCC_THREADS="$threads")
-  echo "TORCH_CUDA_ARCH_LIST=$ARCHS MAX_JOBS=$jobs NVCC_THREADS=$threads"
+  # vLLM's setup.py runs MAX_JOBS // NVCC_THREADS jobs (scripts/patchseries/jobs.py).
+  env_args+=(TORCH_CUDA_ARCH_LIST="$ARCHS" MAX_JOBS="$max_jobs" NVCC_THREADS="$nvcc_threads")
+  echo "TORCH_CUDA_ARCH_LIST=$ARCHS MAX_JOBS=$max_jobs NVCC_THREADS=$nvcc_threads:" \
+       "$jobs nvcc jobs x $nvcc_threads threads"
 fi
 
 step "build wheel $VERSION ($BUILD_MODE); full log: build/wheel.log"
