@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +76,7 @@ class FakeRepo:
         (root / "scripts").mkdir(parents=True)
         for name in ("build.sh", "Makefile"):
             shutil.copy2(real / name, root / name)
-        for path in (real / "scripts").glob("*.py"):
+        for path in [*(real / "scripts").glob("*.py"), *(real / "scripts").glob("*.sh")]:
             if path.name != "series.py":
                 shutil.copy2(path, root / "scripts" / path.name)
         (root / "scripts/series.py").write_text(FAKE_SERIES)
@@ -155,3 +157,102 @@ def test_source_build_passes_the_thread_budget(fake_repo):
     result = build(fake_repo, BUILD_MODE="source", MAX_JOBS="12", NVCC_THREADS="2")
     assert result.returncode == 0, result.stderr
     assert "MAX_JOBS=12 NVCC_THREADS=2: 6 nvcc jobs x 2 threads" in result.stdout
+
+
+def leftovers(fake: FakeRepo) -> list[str]:
+    """Live processes that the fake build started (all carry its FAKE_LOG)."""
+    marker = f"FAKE_LOG={fake.log}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in environ and state != b"Z":
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def kill_leftovers(fake: FakeRepo) -> None:
+    for line in leftovers(fake):
+        try:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+OLD_WHEEL = f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"
+
+# How the run is stopped: Ctrl-C in a terminal signals the whole foreground
+# process group; `kill` signals one process (make passes SIGTERM on to the
+# recipe); timeout(1) and service managers signal the whole group.
+STOPS = {
+    "ctrl-c": lambda proc: os.killpg(proc.pid, signal.SIGINT),
+    "sigterm": lambda proc: proc.send_signal(signal.SIGTERM),
+    "sigterm-group": lambda proc: os.killpg(proc.pid, signal.SIGTERM),
+}
+
+
+@pytest.mark.parametrize("stop", STOPS)
+@pytest.mark.parametrize("command", [["./build.sh"], ["make", "build-wheel"], ["make", "test"]],
+                         ids=["build.sh", "make-build-wheel", "make-test"])
+def test_stopping_the_build_stops_everything_and_writes_nothing(fake_repo, command, stop):
+    """Interrupted while `pip wheel` runs (and has half-written a wheel): every
+    process the run started is gone by the time it returns, dist/ holds what it
+    held before (a wheel of another build mode), and no partial file is left."""
+    dist = fake_repo.root / "dist"
+    dist.mkdir()
+    (dist / OLD_WHEEL).write_text("old\n")
+    (dist / (OLD_WHEEL + ".mode")).write_text("source arch=12.0\n")
+    proc = subprocess.Popen(command, cwd=fake_repo.root, env=fake_repo.env(FAKE_PIP="hang"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(fake_repo.pids.read_text().split() if fake_repo.pids.exists() else []) < 2:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "pip wheel never started"
+            time.sleep(0.05)
+        STOPS[stop](proc)
+        output = proc.communicate(timeout=30)[0]
+        running = leftovers(fake_repo)
+    finally:
+        proc.kill()
+        kill_leftovers(fake_repo)
+    assert proc.returncode != 0
+    assert running == [], f"still running after {command} returned:\n" + "\n".join(running)
+    assert sorted(p.name for p in dist.iterdir()) == [OLD_WHEEL, OLD_WHEEL + ".mode"], output
+    assert (dist / OLD_WHEEL).read_text() == "old\n"
+    assert not (fake_repo.root / "build/wheel.tmp").exists()
+    assert not list(fake_repo.root.rglob("*.part"))
+
+
+def test_failed_build_leaves_dist_as_it_was(fake_repo):
+    dist = fake_repo.root / "dist"
+    dist.mkdir()
+    (dist / OLD_WHEEL).write_text("old\n")
+    (dist / (OLD_WHEEL + ".mode")).write_text("source arch=12.0\n")
+    result = build(fake_repo, FAKE_PIP="fail")
+    assert result.returncode == 1
+    assert "error: wheel build failed (dist/ is unchanged)" in result.stderr
+    assert sorted(p.name for p in dist.iterdir()) == [OLD_WHEEL, OLD_WHEEL + ".mode"]
+    assert (dist / OLD_WHEEL).read_text() == "old\n"
+    assert not (fake_repo.root / "build/wheel.tmp").exists()
+
+
+def test_build_replaces_a_wheel_of_another_mode(fake_repo):
+    dist = fake_repo.root / "dist"
+    dist.mkdir()
+    (dist / OLD_WHEEL).write_text("old\n")
+    (dist / (OLD_WHEEL + ".mode")).write_text("source arch=12.0\n")
+    result = build(fake_repo)
+    assert result.returncode == 0, result.stderr
+    assert (dist / OLD_WHEEL).read_text() == "wheel\n"
+    assert (dist / (OLD_WHEEL + ".mode")).read_text() == "precompiled\n"
+    assert not (fake_repo.root / "build/wheel.tmp").exists()

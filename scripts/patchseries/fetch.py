@@ -4,7 +4,9 @@ Files land in a cache outside the repository (`$VLLM_DSA_CACHE`, else
 `$XDG_CACHE_HOME/vllm-dsa-series`, else `~/.cache/vllm-dsa-series`), are checked
 against a pinned sha256 before use, and appear under their final name only
 once complete and verified, so an interrupted or corrupt download never
-poisons the cache. A verified cached file is used without touching the network.
+poisons the cache; the partial file of a download that was killed outright is
+deleted by the next fetch. A verified cached file is used without touching the
+network.
 """
 
 from __future__ import annotations
@@ -159,10 +161,31 @@ def _disagreement(project: str, cached: Path, pinned: str, actual: str,
     return "\n".join(lines)
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_parts(cache: Path) -> None:
+    """Delete partial downloads (`<file>.<pid>.part`) whose process is gone:
+    what a run killed outright (SIGKILL, power loss) left behind."""
+    for part in cache.glob("*.part"):
+        pid = part.name[:-len(".part")].rpartition(".")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            part.unlink(missing_ok=True)
+
+
 def fetch_file(project: str, filename: str, sha256: str, indexes: list[str] | None = None) -> Path:
     """Return the cached, verified path of `filename`, downloading it if needed."""
     cache = cache_dir()
     target = cache / filename
+    if cache.is_dir():
+        remove_stale_parts(cache)
     if target.exists():
         actual = sha256_of(target)
         if actual == sha256:
