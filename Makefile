@@ -2,41 +2,44 @@
 # and scripts/.
 VENV ?= .venv
 export VENV
+# Every target runs under supervise.py: Ctrl-C or a SIGTERM to make stops all
+# that the target started, and make returns once all of it has exited.
+SUPERVISE = python3 scripts/supervise.py
 
 .PHONY: build-wheel apply patches rebase compat test test-gpu bench clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
-	./build.sh
+	$(SUPERVISE) ./build.sh
 
 ## apply: (re)create vllm-src/ = pinned release + patches/series, one commit per patch
 apply:
-	python3 scripts/series.py apply
+	$(SUPERVISE) python3 scripts/series.py apply
 
 ## patches: export vllm-src/'s commits back to patches/ (a no-op when nothing changed)
 patches:
-	python3 scripts/series.py export
+	$(SUPERVISE) python3 scripts/series.py export
 
 ## rebase: carry the series to VLLM_VERSION=<release|newest> (or VLLM_SRC=<checkout> VLLM_REF=<commit>)
 ## in vllm-rebase/ and print each patch's fate; WRITE=1 rewrites patches/ + vllm-pin.txt on success
 rebase:
-	python3 scripts/series.py rebase
+	$(SUPERVISE) python3 scripts/series.py rebase
 
 ## compat: regenerate docs/compatibility.md (the series on several vLLM releases)
 compat:
-	python3 scripts/series.py compat
+	$(SUPERVISE) python3 scripts/series.py compat
 
 ## test: build and install the wheel into $(VENV), run the CPU test suite
 test:
-	scripts/run-tests.sh
+	$(SUPERVISE) scripts/run-tests.sh
 
 ## test-gpu: the tests that need a CUDA GPU (run on a GPU machine)
 test-gpu:
-	PYTEST_MARK=gpu scripts/run-tests.sh
+	PYTEST_MARK=gpu $(SUPERVISE) scripts/run-tests.sh
 
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
 bench:
-	scripts/run-bench.sh
+	$(SUPERVISE) scripts/run-bench.sh
 
 clean:
 	rm -rf build dist vllm-src.new

@@ -6,12 +6,16 @@
 #                                     wheel (sm_75 ... sm_120); no CUDA compile.
 #   BUILD_MODE=source                 full CUDA build; TORCH_CUDA_ARCH_LIST
 #                                     (default 12.0), MAX_JOBS and NVCC_THREADS
-#                                     (default from cores and memory, see
+#                                     (vLLM's meaning: MAX_JOBS // NVCC_THREADS
+#                                     jobs; default from cores and memory, see
 #                                     scripts/patchseries/jobs.py).
 #   VENV=<dir>        build environment (default .venv; made if missing)
 #   VLLM_SRC=<dir>    use a clean vLLM git checkout at the pinned commit
 #                     instead of the sdist
 #   FORCE=1           rebuild even if the wheel for this series exists
+#
+# A wheel reaches dist/ only once it is built: a failed or interrupted build
+# (Ctrl-C, SIGTERM) stops pip and all it started and leaves dist/ as it was.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,6 +27,13 @@ esac
 
 step() { printf '\n==> %s\n' "$*"; }
 series() { python3 scripts/series.py "$@"; }
+
+# Checked first, so that a missing nvcc or a bad MAX_JOBS costs no torch install.
+if [ "$BUILD_MODE" = source ]; then
+  command -v nvcc >/dev/null || { echo "error: BUILD_MODE=source needs nvcc (CUDA toolkit) on PATH" >&2; exit 1; }
+  parallelism=$(series jobs)  # MAX_JOBS NVCC_THREADS jobs; fails on a bad MAX_JOBS/NVCC_THREADS
+  read -r max_jobs nvcc_threads jobs <<<"$parallelism"
+fi
 
 step "build environment ($VENV)"
 TORCH_VERSION=$(series pin torch)
@@ -58,31 +69,74 @@ if [ "$BUILD_MODE" = precompiled ]; then
   WHEEL=$(series fetch wheel)
   env_args+=(VLLM_USE_PRECOMPILED=1 VLLM_PRECOMPILED_WHEEL_LOCATION="$WHEEL")
 else
-  command -v nvcc >/dev/null || { echo "error: BUILD_MODE=source needs nvcc (CUDA toolkit) on PATH" >&2; exit 1; }
-  read -r jobs threads < <(series jobs)
-  env_args+=(TORCH_CUDA_ARCH_LIST="$ARCHS" MAX_JOBS="$jobs" NVCC_THREADS="$threads")
-  echo "TORCH_CUDA_ARCH_LIST=$ARCHS MAX_JOBS=$jobs NVCC_THREADS=$threads"
+  # vLLM's setup.py runs MAX_JOBS // NVCC_THREADS jobs (scripts/patchseries/jobs.py).
+  env_args+=(TORCH_CUDA_ARCH_LIST="$ARCHS" MAX_JOBS="$max_jobs" NVCC_THREADS="$nvcc_threads")
+  echo "TORCH_CUDA_ARCH_LIST=$ARCHS MAX_JOBS=$max_jobs NVCC_THREADS=$nvcc_threads:" \
+       "$jobs nvcc jobs x $nvcc_threads threads"
 fi
 
 step "build wheel $VERSION ($BUILD_MODE); full log: build/wheel.log"
-rm -f dist/vllm-"$VERSION"-*.whl dist/vllm-"$VERSION"-*.whl.mode
+# pip writes the wheel (and its temporary files) into build/wheel.tmp; the
+# wheel moves into dist/ only once it is built, so an interrupted or failed
+# build leaves dist/ as it was. A killed run's leftovers go here.
+out=build/wheel.tmp
+rm -rf "$out" && mkdir -p "$out/tmp"
+pip_pid=
+stop_build() {  # stop pip and everything it started (its process group), drop its output
+  if [ -n "$pip_pid" ]; then
+    kill -TERM -- "-$pip_pid" 2>/dev/null || true
+    wait "$pip_pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 -- "-$pip_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pip_pid" 2>/dev/null || true
+    pip_pid=
+  fi
+  rm -rf "$out"
+}
+on_signal() {  # $1 signal, $2 what happened; then die of that signal, as make expects
+  echo "build.sh: $2: the wheel build is stopped, dist/ is unchanged" >&2
+  stop_build
+  trap - EXIT "$1"
+  kill -"$1" $$
+}
+trap stop_build EXIT
+trap 'on_signal INT interrupted' INT
+trap 'on_signal TERM terminated' TERM
+trap 'on_signal HUP "hang-up"' HUP
 start=$SECONDS
 # The compiled ops are abi3: tag the wheel cp38-abi3 like upstream's, so it
 # installs on every Python that vLLM supports, not only the one that built it.
-env "${env_args[@]}" "$VENV/bin/python" -m pip wheel -v --no-build-isolation --no-deps \
-  --config-settings=--build-option=--py-limited-api=cp38 -w dist build/vllm >build/wheel.log 2>&1 </dev/null &
-pid=$!
-# Progress: the build is quiet for minutes, so report what it is doing.
-while kill -0 "$pid" 2>/dev/null; do
-  sleep 20
+# `set -m` gives pip a process group of its own, which stop_build ends; without
+# it a backgrounded pip ignores Ctrl-C and outlives this script.
+set -m
+env TMPDIR="$PWD/$out/tmp" "${env_args[@]}" "$VENV/bin/python" -m pip wheel -v \
+  --no-build-isolation --no-deps --config-settings=--build-option=--py-limited-api=cp38 \
+  -w "$out" build/vllm >build/wheel.log 2>&1 </dev/null &
+pip_pid=$!
+set +m
+# Progress: the build is quiet for minutes, so report what it is doing every
+# 20 s; poll every second so that a signal is acted on at once.
+ticks=0
+while kill -0 "$pip_pid" 2>/dev/null; do
+  sleep 1
+  ticks=$((ticks + 1))
+  [ $((ticks % 20)) -eq 0 ] || continue
   last=$(grep -E '^ *(\[extract\]|copying|running|adding|Building|\[[0-9]+/[0-9]+\])' build/wheel.log | tail -n1 || true)
   printf '  %4ss  %s\n' $((SECONDS - start)) "${last:0:110}"
 done
-if ! wait "$pid"; then
-  echo "error: wheel build failed; last lines of build/wheel.log:" >&2
+if ! wait "$pip_pid"; then
+  pip_pid=
+  echo "error: wheel build failed (dist/ is unchanged); last lines of build/wheel.log:" >&2
   tail -n 40 build/wheel.log >&2
   exit 1
 fi
-built=$(ls dist/vllm-"$VERSION"-*.whl)
-echo "$STAMP" > "$built.mode"
-step "built $built in $((SECONDS - start)) s"
+pip_pid=
+built=$(ls "$out"/vllm-"$VERSION"-*.whl)
+name=${built##*/}
+# The .mode stamp goes last: a wheel without one is rebuilt, never trusted.
+rm -f "dist/$name.mode"
+mv -f "$built" "dist/$name"
+for old in dist/vllm-"$VERSION"-*.whl; do
+  [ "$old" = "dist/$name" ] || rm -f "$old" "$old.mode"
+done
+echo "$STAMP" > "dist/$name.mode"
+step "built dist/$name in $((SECONDS - start)) s"

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -108,7 +109,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM: unwind as KeyboardInterrupt so that cleanups run
+    (partial downloads, temporary trees); a second signal does not cut them short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         sys.exit(main(sys.argv[1:]))
     except SeriesError as e:

@@ -1,12 +1,21 @@
 """Downloads: verified before use, nothing half-written left in the cache."""
 
 import hashlib
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
 
 from patchseries import SeriesError
 from patchseries.fetch import fetch_file, pip_index_urls
+from patchseries.pin import load_pin
 
 
 @pytest.fixture
@@ -49,8 +58,42 @@ def test_corrupt_cached_file_is_named_not_used(index):
     url, sha, cache, _ = index
     cache.mkdir()
     (cache / "demo-1.0.tar.gz").write_bytes(b"truncated")
-    with pytest.raises(SeriesError, match="cached .*demo-1.0.tar.gz has sha256"):
+    with pytest.raises(SeriesError) as err:
         fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
+    message = str(err.value)
+    assert str(cache / "demo-1.0.tar.gz") in message and sha in message
+    assert hashlib.sha256(b"truncated").hexdigest() in message
+    assert (cache / "demo-1.0.tar.gz").read_bytes() == b"truncated"  # not used, not deleted
+
+
+def test_wrong_pin_with_good_cache_says_they_disagree(index):
+    """A mistyped sha256 in vllm-pin.txt must not send the user off to delete
+    a valid cached file: the message shows both values and where each is from."""
+    url, sha, cache, _ = index
+    fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])  # a good cache entry
+    wrong = "0" * 64
+    with pytest.raises(SeriesError) as err:
+        fetch_file("demo", "demo-1.0.tar.gz", wrong, indexes=[url])
+    message = str(err.value)
+    assert "disagree" in message
+    assert f"vllm-pin.txt says sha256 {wrong}" in message
+    assert f"{cache / 'demo-1.0.tar.gz'} has sha256 {sha}" in message
+    assert "git diff vllm-pin.txt" in message  # how to resolve
+    assert (cache / "demo-1.0.tar.gz").exists()
+
+
+@pytest.mark.parametrize("listed, verdict", [
+    ("file", "the package index lists the cached file's sha256: vllm-pin.txt is wrong"),
+    ("pin", "the package index lists the pinned sha256: the cached file is damaged"),
+])
+def test_disagreement_names_the_side_the_index_takes(index, listed, verdict):
+    url, sha, cache, files = index
+    fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
+    wrong = "0" * 64
+    page = Path(urllib.parse.urlparse(url).path) / "demo" / "index.html"
+    page.write_text(page.read_text().replace("#sha256=x", f"#sha256={sha if listed == 'file' else wrong}"))
+    with pytest.raises(SeriesError, match=verdict):
+        fetch_file("demo", "demo-1.0.tar.gz", wrong, indexes=[url])
 
 
 def test_missing_file_names_the_indexes(index):
@@ -63,3 +106,82 @@ def test_index_urls_come_from_pip(monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "file:///nonexistent/simple")
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///elsewhere/simple")
     assert pip_index_urls() == ["file:///nonexistent/simple", "file:///elsewhere/simple"]
+
+
+def test_stale_partial_downloads_are_removed(index):
+    """A run killed outright (SIGKILL) leaves <file>.<pid>.part behind; the next
+    fetch deletes those whose process is gone and keeps a running one's."""
+    url, sha, cache, _ = index
+    cache.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = [cache / f"demo-1.0.tar.gz.{dead.pid}.part", cache / f"other.whl.{dead.pid}.part"]
+        running = cache / f"other.whl.{alive.pid}.part"
+        for path in (*stale, running):
+            path.write_bytes(b"partial")
+        fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
+        assert sorted(p.name for p in cache.iterdir()) == sorted(["demo-1.0.tar.gz", running.name])
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+class _SlowFile(http.server.BaseHTTPRequestHandler):
+    """An index page for vllm and a download that trickles in."""
+    filename = ""
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/simple/"):
+            body = f'<a href="/files/{self.filename}">{self.filename}</a>'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(64 << 20))
+        self.end_headers()
+        try:
+            for _ in range(1024):
+                self.wfile.write(b"x" * (64 << 10))
+                time.sleep(0.05)
+        except OSError:
+            pass  # the client went away
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_download_leaves_no_partial_file(repo, tmp_path, signum):
+    """`series.py fetch` stopped by Ctrl-C or SIGTERM mid-download: it exits,
+    and no .part file is left in the cache."""
+    pin = load_pin()
+    _SlowFile.filename = pin.sdist
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowFile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(VLLM_DSA_CACHE=str(cache), PIP_CONFIG_FILE=os.devnull,
+               PIP_INDEX_URL=f"http://127.0.0.1:{server.server_port}/simple")
+    fetch = subprocess.Popen([sys.executable, str(repo / "scripts/series.py"), "fetch", "sdist"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(cache.glob("*.part")):
+            assert fetch.poll() is None, fetch.communicate()
+            assert time.monotonic() < deadline, "the download never started"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        fetch.send_signal(signum)
+        _, stderr = fetch.communicate(timeout=20)
+    finally:
+        fetch.kill()
+        server.shutdown()
+        server.server_close()
+    assert fetch.returncode != 0
+    assert "Traceback" not in stderr
+    assert list(cache.iterdir()) == []

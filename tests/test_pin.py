@@ -45,3 +45,10 @@ def test_repository_pin_is_the_release_we_patch():
     assert pin.torch == "2.11.0"
     assert pin.sdist_sha256 == "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5"
     assert pin.wheel_sha256 == "872aeb7c36a1ea942216af067ce870ffdf960804e829367e1b4eb36d4831c03c"
+
+
+def test_non_utf8_pin_file_names_file_and_line(tmp_path):
+    pin = tmp_path / "vllm-pin.txt"
+    pin.write_bytes(GOOD.format(sha=SHA).replace("torch = 2.11.0", "torch = 2.11.0 \xa7").encode("latin-1"))
+    with pytest.raises(SeriesError, match=r"vllm-pin.txt:8: not UTF-8 text \(byte 0xa7 at column 16\)"):
+        load_pin(pin)

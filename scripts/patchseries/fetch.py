@@ -4,7 +4,9 @@ Files land in a cache outside the repository (`$VLLM_DSA_CACHE`, else
 `$XDG_CACHE_HOME/vllm-dsa-series`, else `~/.cache/vllm-dsa-series`), are checked
 against a pinned sha256 before use, and appear under their final name only
 once complete and verified, so an interrupted or corrupt download never
-poisons the cache. A verified cached file is used without touching the network.
+poisons the cache; the partial file of a download that was killed outright is
+deleted by the next fetch. A verified cached file is used without touching the
+network.
 """
 
 from __future__ import annotations
@@ -131,18 +133,64 @@ def _download(url: str, dest: Path) -> None:
             raise SeriesError(f"download of {dest.name[:-5]} truncated: {done} of {total} bytes")
 
 
+def _disagreement(project: str, cached: Path, pinned: str, actual: str,
+                  indexes: list[str] | None) -> str:
+    """What to tell the user when a cached file does not match its pin. The
+    cache only takes files that matched the pin when they were downloaded, so
+    either the pin changed since or the file did; the index's sha256, where it
+    can be read, says which."""
+    lines = [f"vllm-pin.txt and the cached file disagree about {cached.name}:",
+             f"  vllm-pin.txt says sha256 {pinned}",
+             f"  {cached} has sha256 {actual}"]
+    try:
+        listed = index_files(project, indexes).get(cached.name)
+        listed_sha = listed.sha256 if listed else ""
+        reason = f"{cached.name} is not on it" if not listed else "it lists no sha256"
+    except SeriesError as e:
+        listed_sha, reason = "", str(e)
+    if listed_sha == actual:
+        lines.append("  the package index lists the cached file's sha256: vllm-pin.txt is wrong; "
+                     "restore it (`git diff vllm-pin.txt`) or correct the value")
+    elif listed_sha == pinned:
+        lines.append("  the package index lists the pinned sha256: the cached file is damaged; "
+                     f"delete {cached} and re-run to download it again")
+    else:
+        lines.append(f"  the package index cannot tell which is right ({reason or 'it lists ' + listed_sha})")
+        lines.append("  if vllm-pin.txt was edited by mistake, restore it (`git diff vllm-pin.txt`); "
+                     f"if the file was changed after its download, delete {cached} and re-run")
+    return "\n".join(lines)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_parts(cache: Path) -> None:
+    """Delete partial downloads (`<file>.<pid>.part`) whose process is gone:
+    what a run killed outright (SIGKILL, power loss) left behind."""
+    for part in cache.glob("*.part"):
+        pid = part.name[:-len(".part")].rpartition(".")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            part.unlink(missing_ok=True)
+
+
 def fetch_file(project: str, filename: str, sha256: str, indexes: list[str] | None = None) -> Path:
     """Return the cached, verified path of `filename`, downloading it if needed."""
     cache = cache_dir()
     target = cache / filename
+    if cache.is_dir():
+        remove_stale_parts(cache)
     if target.exists():
         actual = sha256_of(target)
         if actual == sha256:
             return target
-        raise SeriesError(
-            f"cached {target} has sha256 {actual}, the pin says {sha256}; "
-            "delete it to download again"
-        )
+        raise SeriesError(_disagreement(project, target, sha256, actual, indexes))
     cache.mkdir(parents=True, exist_ok=True)
     url = find_file_url(project, filename, indexes if indexes is not None else pip_index_urls())
     part = cache / f"{filename}.{os.getpid()}.part"

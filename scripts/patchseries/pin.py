@@ -54,7 +54,14 @@ def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
 
 def load_pin(path: Path = PIN_FILE) -> Pin:
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise SeriesError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise SeriesError(f"{path.name}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                          f"column {column}); save {path} as UTF-8") from None
     return parse_pin(text, path.name)
