@@ -9,7 +9,9 @@ import pytest
 
 from patchseries import SeriesError
 from patchseries.pin import Pin, load_pin
-from patchseries.tree import (UPSTREAM_TAG, apply_series, export_series, git, read_series)
+from patchseries.gitrepo import UPSTREAM_TAG, git
+from patchseries.patchfile import read_series
+from patchseries.tree import apply_series, export_series
 
 
 def run_git(repo: Path, *args: str) -> str:
