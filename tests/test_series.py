@@ -129,16 +129,6 @@ def test_series_applies_to_the_pinned_release_and_round_trips(repo, tmp_path, gi
     assert not export_series(tree, copy), "re-exporting the applied series changed patches/"
 
 
-def test_every_patch_has_a_header(repo):
-    for patch in read_series(repo / "patches"):
-        text = patch.read_text()
-        head = text.split("\n---\n", 1)[0]
-        assert "Subject: [PATCH]" in head, patch.name
-        assert "Upstream-Status: " in head, f"{patch.name} has no Upstream-Status"
-        body = head.split("Subject:", 1)[1]
-        assert len(body.strip().splitlines()) >= 3, f"{patch.name} says nothing of what/why"
-
-
 def test_upstream_commit_is_reproducible(tmp_path, git_env):
     up, pin = make_fixture(tmp_path)
     a = apply_series(pin, tree=tmp_path / "a", patch_dir=tmp_path / "none", src=up)

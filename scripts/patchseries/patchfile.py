@@ -83,7 +83,7 @@ def header_fields(text: str) -> dict[str, list[str]]:
     return {k: [" ".join(p for p in parts if p) for parts in v] for k, v in fields.items()}
 
 
-def tests_paths(value: str) -> list[str]:
+def paths_in_tests_field(value: str) -> list[str]:
     """The repository paths named in a `Tests:` value: words ending in .py,
     or starting with tests/ or bench/; a pytest node id (file::test) and
     trailing punctuation are cut off."""
