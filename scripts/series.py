@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         src = os.environ.get("VLLM_SRC")
         apply_series(pin, src=Path(src).resolve() if src else None)
     elif command == "export" and not args:
-        export_series()
+        export_series(pin=pin)
     elif command == "version" and not args:
         print(wheel_version(pin, read_series()))
     elif command == "jobs" and not args:
