@@ -150,7 +150,7 @@ def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
     assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
 
     # Resolve, continue, then --finish writes the hand-made series.
-    edit(work, "a.py", "", "".join(f"line {i}\n" for i in range(20)).replace(
+    edit(work, "a.py", None, "".join(f"line {i}\n" for i in range(20)).replace(
         "line 10\n", "line ten (changed upstream)\n"))
     run_git(work, "add", "a.py")
     subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
@@ -161,6 +161,29 @@ def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
     assert len(written) == 4 and load_pin(pin_file).commit == target_at(up, "2.0").commit
     fresh = apply_series(load_pin(pin_file), tree=tmp_path / "fresh", patch_dir=patches, src=up)
     assert run_git(fresh, "rev-parse", "HEAD^{tree}") == run_git(work, "rev-parse", "HEAD^{tree}")
+
+
+def test_finish_refuses_conflict_markers(project, tmp_path):
+    up, pin, pin_file, patches = project
+    edit(up, "a.py", "line 10\n", "line 10 (changed upstream)\n")
+    commit(up, "release 2.0")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    work = tmp_path / "rebase"
+    rb.rebase(target_at(up, "2.0"), pin, patches, work, write=True, pin_file=pin_file)
+    # The user marks the file resolved without resolving it.
+    run_git(work, "add", "a.py")
+    subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
+    with pytest.raises(SeriesError, match=r"conflict markers in a\.py:\d+"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    # Resolved there, but markers in a later patch's file: refused, named.
+    edit(work, "a.py", None, "".join(f"line {i}\n" for i in range(20)))
+    run_git(work, "commit", "-q", "-a", "-m", "resolved")
+    edit(work, "c.py", "c = 2\n", "<<<<<<< ours\nc = 2\n=======\nc = 3\n>>>>>>> theirs\n")
+    run_git(work, "commit", "-q", "-a", "-m", "markers")
+    with pytest.raises(SeriesError, match=r"conflict markers in c\.py:1, c\.py:3, c\.py:5:"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
 
 
 def test_interrupted_rebase_changes_nothing(project, tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ from pathlib import Path
 from . import PATCH_DIR, PIN_FILE, REPO_ROOT, SeriesError
 from .fetch import fetch_file
 from .gitrepo import (RELEASE_ENV, UPSTREAM_TAG, am, apply_failures, commit_release,
-                      export_patches, git)
+                      conflict_markers, export_patches, git, operation_in_progress)
 from .patchfile import PatchInfo, read_patch, read_series
 from .pin import Pin, load_pin, parse_pin, pin_text
 from .release import Target, version_key
@@ -259,10 +259,15 @@ def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
     """Export upstream..HEAD of `work` into patch_dir and write pin_file.
     Everything is prepared first; the repository files change at the end."""
     text = pin_text(pin)
-    if (work / ".git" / "rebase-apply").exists():
-        raise SeriesError(f"{work.name}/: a `git am` is in progress; finish it first")
+    if op := operation_in_progress(work):
+        raise SeriesError(op)
     if git(work, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise SeriesError(f"{work.name}/ has uncommitted changes; commit them first")
+    if markers := conflict_markers(work, UPSTREAM_TAG):
+        raise SeriesError(
+            f"{work.name}/ has conflict markers in {', '.join(markers)}: resolve them and "
+            "amend the commit they are in (`git commit --fixup`, `git rebase -i --autosquash "
+            f"{UPSTREAM_TAG}`); patches/ and vllm-pin.txt are unchanged")
     with tempfile.TemporaryDirectory() as tmp:
         new = export_patches(work, Path(tmp))
         contents = {p.name: p.read_bytes() for p in new}
