@@ -241,8 +241,11 @@ def test_export_refuses_conflict_markers(fixture_series):
     assert snapshot(patches) == before
 
 
-def test_apply_keeps_git_ignored_files(fixture_series, tmp_path, capsys):
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_apply_keeps_git_ignored_files(fixture_series, tmp_path, capsys, monkeypatch, exchange):
     up, pin, patches, tree = fixture_series
+    if not exchange:  # a system without RENAME_EXCHANGE
+        monkeypatch.setattr(tree_module, "_exchange", lambda a, b: False)
     (tree / ".vscode").mkdir()
     (tree / ".vscode" / "settings.json").write_text("{}\n")
     (tree / "serve.log").write_text("log\n")
@@ -302,3 +305,21 @@ def test_two_applies_at_once_run_one_after_the_other(fixture_series, tmp_path, m
     assert int(run_git(target, "rev-list", "--count", f"{UPSTREAM_TAG}..HEAD")) == 2
     assert run_git(target, "status", "--porcelain") == ""
     assert (target / "b.py").read_text() == "b = 2\n"
+
+
+def test_ignored_file_the_new_series_tracks_is_left_in_old(fixture_series, tmp_path, capsys):
+    up, pin, patches, tree = fixture_series
+    (tree / "serve.log").write_text("mine\n")
+    other = apply_series(pin, tree=tmp_path / "other-clone", patch_dir=patches, src=up)
+    (other / "serve.log").write_text("tracked\n")
+    run_git(other, "add", "-f", "serve.log")
+    run_git(other, "commit", "-q", "-m", "track a log\n\nUpstream-Status: Pending")
+    assert export_series(other, patches)
+    capsys.readouterr()
+    apply_series(pin, tree=tree, patch_dir=patches, src=up)
+    assert (tree / "serve.log").read_text() == "tracked\n"
+    assert (tmp_path / "tree.old" / "serve.log").read_text() == "mine\n"
+    assert "they are in tree.old/: serve.log" in capsys.readouterr().err
+    with pytest.raises(SeriesError, match=r"tree.old/ is left from an earlier `make apply`.*"
+                                          "take what you need"):
+        apply_series(pin, tree=tree, patch_dir=patches, src=up)

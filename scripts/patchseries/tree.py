@@ -8,6 +8,8 @@ swapped in when every patch applied, so a failure never destroys work.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
 import shutil
@@ -118,19 +120,38 @@ def _ignored_files(tree: Path) -> list[str]:
     return [name.rstrip("/") for name in out.split("\0") if name]
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False
+    where the system or file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), f"cannot swap {a} and {b}", str(a))
+
+
 def _swap_in(tmp: Path, tree: Path) -> None:
-    """Put the finished tree `tmp` in the place of `tree` and carry the old
-    tree's git-ignored files over. The old tree is deleted only when
-    everything in it that is not in the series has been moved; else it
-    stays as <tree>.old with what is left."""
+    """Put the finished tree `tmp` in the place of `tree` in one step and
+    carry the old tree's git-ignored files over. The old tree is deleted
+    only when everything in it that is not in the series has been moved;
+    else it stays as <tree>.old with what is left."""
+    if not tree.exists():
+        os.rename(tmp, tree)
+        return
     old = tree.with_name(tree.name + ".old")
-    ignored = _ignored_files(tree) if tree.exists() else []
+    ignored = _ignored_files(tree)
     # Ctrl-C waits until the new tree is in place.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        if tree.exists():
+        if _exchange(tmp, tree):
+            os.rename(tmp, old)
+        else:  # two renames: for an instant there is no tree
             os.rename(tree, old)
-        os.rename(tmp, tree)
+            os.rename(tmp, tree)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     kept, left = [], []
