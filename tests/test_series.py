@@ -289,13 +289,21 @@ def test_two_applies_at_once_run_one_after_the_other(fixture_series, tmp_path, m
 
     first = threading.Thread(target=run, name="first")
     first.start()
-    while not events:
+    deadline = time.monotonic() + 60
+    while not events and not errors and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert events == ["first imports"], (events, errors)
     second = threading.Thread(target=run, name="second")
     second.start()
-    time.sleep(1.5)  # time enough for the second run to start building, if it could
-    assert "waiting for" in capfd.readouterr().err
+    # The second run either says it waits, or (without the lock) starts to
+    # build in the same place.
+    err = ""
+    while ("waiting for" not in err and "second imports" not in events
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+        err += capfd.readouterr().err
     release.set()
+    assert "waiting for" in err and "vllm-src.lock" in err
     first.join(60)
     second.join(60)
     assert not errors, errors
