@@ -3,7 +3,13 @@
 The work tree (vllm-src/, ignored by our repo) is a git repository whose first
 commit, tagged `upstream`, is the pristine release; each later commit is one
 patch of the series. A new tree is always built beside the old one and only
-swapped in when every patch applied, so a failure never destroys work.
+swapped in when every patch applied, so a failure never destroys work; the
+old tree's git-ignored files move into the new one.
+
+The tree remembers (in .git/patchseries-applied) the digest of the series it
+was last applied from or exported to. Export writes patches/ only when that
+is still what patches/ holds, and only from a branch with no rebase, am,
+merge or cherry-pick in progress. Apply and export hold vllm-src.lock.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from .pin import Pin
 
 __all__ = ["UPSTREAM_TAG", "apply_series", "export_series", "read_series", "series_digest"]
 
-_STAMP = "patchseries-applied"  # in .git: digest of the series last applied
+_STAMP = "patchseries-applied"  # in .git: digest of the series last applied or exported
 
 
 def _check_checkout(src: Path, pin: Pin) -> None:
