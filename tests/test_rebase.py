@@ -173,7 +173,7 @@ def test_finish_refuses_conflict_markers(project, tmp_path):
     # The user marks the file resolved without resolving it.
     run_git(work, "add", "a.py")
     subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
-    with pytest.raises(SeriesError, match=r"conflict markers in a\.py:\d+"):
+    with pytest.raises(SeriesError, match=r"conflict markers in a\.py \(lines \d+, \d+, \d+\)"):
         rb.finish(work, patches, pin_file)
     assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
     # Resolved there, but markers in a later patch's file: refused, named.
@@ -181,7 +181,7 @@ def test_finish_refuses_conflict_markers(project, tmp_path):
     run_git(work, "commit", "-q", "-a", "-m", "resolved")
     edit(work, "c.py", "c = 2\n", "<<<<<<< ours\nc = 2\n=======\nc = 3\n>>>>>>> theirs\n")
     run_git(work, "commit", "-q", "-a", "-m", "markers")
-    with pytest.raises(SeriesError, match=r"conflict markers in c\.py:1, c\.py:3, c\.py:5:"):
+    with pytest.raises(SeriesError, match=r"conflict markers in c\.py \(lines 1, 3, 5\):"):
         rb.finish(work, patches, pin_file)
     assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
 

@@ -200,7 +200,11 @@ def operation_in_progress(repo: Path) -> str | None:
 
 
 def conflict_markers(repo: Path, base: str) -> list[str]:
-    """`file:line` of each conflict marker (<<<<<<<, =======, >>>>>>>) that
-    the commits base..HEAD or uncommitted edits in the work tree add."""
+    """"file (lines 3, 5, 7)" for each file where the commits base..HEAD or
+    uncommitted edits in the work tree add conflict markers (<<<<<<<,
+    =======, >>>>>>>)."""
     out = git(repo, "diff", "--check", base, check=False).stdout
-    return re.findall(r"^(.+?:\d+): leftover conflict marker$", out, re.M)
+    lines: dict[str, list[str]] = {}
+    for m in re.finditer(r"^(.+?):(\d+): leftover conflict marker$", out, re.M):
+        lines.setdefault(m.group(1), []).append(m.group(2))
+    return [f"{f} (line{'s' if len(n) > 1 else ''} {', '.join(n)})" for f, n in lines.items()]
