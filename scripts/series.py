@@ -26,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from patchseries import SeriesError  # noqa: E402
+from patchseries import REPO_ROOT, SeriesError, compat, rebase  # noqa: E402
 from patchseries.fetch import fetch_file  # noqa: E402
 from patchseries.jobs import jobs_from_environment  # noqa: E402
-from patchseries import rebase  # noqa: E402
+from patchseries.patchfile import read_series, series_digest  # noqa: E402
 from patchseries.pin import load_pin  # noqa: E402
-from patchseries.tree import apply_series, export_series, read_series, series_digest  # noqa: E402
+from patchseries.release import checkout_target, release_target  # noqa: E402
+from patchseries.tree import apply_series, export_series  # noqa: E402
 
 LOCAL_LABEL = "dsa.sm120"
 
@@ -45,8 +46,8 @@ def rebase_command(pin, write: bool) -> int:
     if bool(version) == bool(src) or bool(src) != bool(ref):
         raise SeriesError("give VLLM_VERSION=<release|newest>, or VLLM_SRC=<git checkout> "
                           "with VLLM_REF=<commit>")
-    target = (rebase.release_target(version) if version
-              else rebase.checkout_target(Path(src).resolve(), ref))
+    target = (release_target(version) if version
+              else checkout_target(Path(src).resolve(), ref))
     if target.pin:
         print(f"target vLLM {target.pin.version}: commit {target.pin.commit}, "
               f"torch {target.pin.torch}\n  {target.pin.sdist} sha256 {target.pin.sdist_sha256}"
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
         src = os.environ.get("VLLM_SRC")
         apply_series(pin, src=Path(src).resolve() if src else None)
     elif command == "export" and not args:
-        export_series()
+        export_series(pin=pin)
     elif command == "version" and not args:
         print(wheel_version(pin, read_series()))
     elif command == "jobs" and not args:
@@ -101,8 +102,8 @@ def main(argv: list[str]) -> int:
         write = bool(args) or os.environ.get("WRITE", "") in ("1", "yes", "true")
         return rebase_command(pin, write)
     elif command == "compat":
-        rebase.compat(args or None)
-        print(f"wrote {rebase.COMPAT_DOC.relative_to(rebase.REPO_ROOT)}")
+        compat.compat(args or None)
+        print(f"wrote {compat.COMPAT_DOC.relative_to(REPO_ROOT)}")
     else:
         print(f"series.py: bad command {' '.join(argv)!r}\n{__doc__}", file=sys.stderr)
         return 2

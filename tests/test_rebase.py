@@ -1,4 +1,5 @@
-"""Carrying the series to another vLLM (scripts/patchseries/rebase.py).
+"""Carrying the series to another vLLM (scripts/patchseries/rebase.py, with
+release.py for the target and compat.py for docs/compatibility.md).
 
 Fixture repositories cover the conflict / write / interrupt paths in seconds;
 one test rebases the real series onto the real vLLM 0.24.0 release.
@@ -13,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from patchseries import SeriesError
+from patchseries import compat
 from patchseries import rebase as rb
+from patchseries import release
 from patchseries.fetch import fetch_file
-from patchseries.pin import Pin, load_pin
-from patchseries.tree import apply_series, export_series, read_series
+from patchseries.patchfile import read_series
+from patchseries.pin import Pin, load_pin, pin_text
+from patchseries.tree import apply_series, export_series
 
 
 def run_git(repo: Path, *args: str) -> str:
@@ -64,7 +68,7 @@ def project(tmp_path: Path, git_env):
     proj = tmp_path / "project"
     proj.mkdir()
     pin_file = proj / "vllm-pin.txt"
-    pin_file.write_text(rb.pin_text(pin))
+    pin_file.write_text(pin_text(pin))
     patches, work = proj / "patches", proj / "vllm-src"
     apply_series(pin, tree=work, patch_dir=patches, src=up)
     edit(work, "a.py", "line 10\n", "line ten\n")
@@ -79,9 +83,9 @@ def project(tmp_path: Path, git_env):
     return up, pin, pin_file, patches
 
 
-def target_at(up: Path, version: str, with_pin: bool = True) -> rb.Target:
+def target_at(up: Path, version: str, with_pin: bool = True) -> release.Target:
     sha = run_git(up, "rev-parse", "HEAD")
-    return rb.Target(version=version, commit=sha[:12], checkout=up, ref=sha,
+    return release.Target(version=version, commit=sha[:12], checkout=up, ref=sha,
                      pin=fake_pin(version, sha) if with_pin else None)
 
 
@@ -146,7 +150,7 @@ def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
     assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
 
     # Resolve, continue, then --finish writes the hand-made series.
-    edit(work, "a.py", "", "".join(f"line {i}\n" for i in range(20)).replace(
+    edit(work, "a.py", None, "".join(f"line {i}\n" for i in range(20)).replace(
         "line 10\n", "line ten (changed upstream)\n"))
     run_git(work, "add", "a.py")
     subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
@@ -157,6 +161,29 @@ def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
     assert len(written) == 4 and load_pin(pin_file).commit == target_at(up, "2.0").commit
     fresh = apply_series(load_pin(pin_file), tree=tmp_path / "fresh", patch_dir=patches, src=up)
     assert run_git(fresh, "rev-parse", "HEAD^{tree}") == run_git(work, "rev-parse", "HEAD^{tree}")
+
+
+def test_finish_refuses_conflict_markers(project, tmp_path):
+    up, pin, pin_file, patches = project
+    edit(up, "a.py", "line 10\n", "line 10 (changed upstream)\n")
+    commit(up, "release 2.0")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    work = tmp_path / "rebase"
+    rb.rebase(target_at(up, "2.0"), pin, patches, work, write=True, pin_file=pin_file)
+    # The user marks the file resolved without resolving it.
+    run_git(work, "add", "a.py")
+    subprocess.run(["git", "-C", str(work), "am", "--continue"], check=True, capture_output=True)
+    with pytest.raises(SeriesError, match=r"conflict markers in a\.py \(lines \d+, \d+, \d+\)"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    # Resolved there, but markers in a later patch's file: refused, named.
+    edit(work, "a.py", None, "".join(f"line {i}\n" for i in range(20)))
+    run_git(work, "commit", "-q", "-a", "-m", "resolved")
+    edit(work, "c.py", "c = 2\n", "<<<<<<< ours\nc = 2\n=======\nc = 3\n>>>>>>> theirs\n")
+    run_git(work, "commit", "-q", "-a", "-m", "markers")
+    with pytest.raises(SeriesError, match=r"conflict markers in c\.py \(lines 1, 3, 5\):"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
 
 
 def test_interrupted_rebase_changes_nothing(project, tmp_path, monkeypatch):
@@ -263,13 +290,13 @@ def test_index_lookup_picks_sdist_and_newest_wheel(tmp_path):
                     for n in names)
     links += '<a href="../../f/vllm-0.99.0.tar.gz#sha256=00" data-yanked="">yanked</a>'
     (page / "index.html").write_text(f"<html><body>{links}</body></html>")
-    files = rb.release_hashes([(tmp_path / "simple").as_uri()])
+    files = release.release_hashes([(tmp_path / "simple").as_uri()])
     assert files["vllm-0.24.0.tar.gz"] == hashlib.sha256(b"vllm-0.24.0.tar.gz").hexdigest()
-    assert rb.newest_release(files) == "0.24.0"  # not the rc, not the yanked one
-    assert rb.release_files("0.23.0", files) == (
+    assert release.newest_release(files) == "0.24.0"  # not the rc, not the yanked one
+    assert release.release_files("0.23.0", files) == (
         "vllm-0.23.0.tar.gz", "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl")
     with pytest.raises(SeriesError, match="no x86_64 manylinux wheel"):
-        rb.release_files("0.9.2", files)
+        release.release_files("0.9.2", files)
 
 
 def test_compat_markdown_has_a_row_per_patch_and_a_sentence_per_problem(tmp_path):
@@ -284,7 +311,7 @@ def test_compat_markdown_has_a_row_per_patch_and_a_sentence_per_problem(tmp_path
         "1.1": [rb.PatchResult("0001-loader.patch", rb.OBSOLETE, "gone upstream: x.py", ["x.py"]),
                 rb.PatchResult("0002-kernel.patch", rb.OFFSETS, "3-way merge")],
     }
-    text = rb.compat_markdown(pin, patches, table, newest="1.1")
+    text = compat.compat_markdown(pin, patches, table, newest="1.1")
     assert "| patch | 0.9 | 1.1 (newest) |" in text
     assert "| `0001-loader.patch` | conflict | obsolete |" in text
     assert "| `0002-kernel.patch` | applied | applied with offsets/fuzz |" in text
@@ -306,6 +333,12 @@ def test_backport_is_obsolete_from_the_release_it_names(project, tmp_path):
     assert statuses(older) == [rb.APPLIED] * 4
     assert statuses(newer) == [rb.APPLIED, rb.OBSOLETE, rb.APPLIED, rb.APPLIED]
     assert newer.results[1].detail == "backport of vLLM 2.0, which upstream has"
+
+
+def test_committed_pin_is_what_make_rebase_writes(repo):
+    """pin_text is the one place the pin's text (comments too) is written."""
+    pin_file = repo / "vllm-pin.txt"
+    assert pin_file.read_text() == pin_text(load_pin(pin_file))
 
 
 # The real series on vLLM 0.24.0, the release that deleted the GGUF loader.
@@ -338,9 +371,9 @@ def test_real_series_on_vllm_0_24(repo, tmp_path, git_env):
     if not patches:
         pytest.skip("patches/series is empty")
     sdist = fetch_file("vllm", *SDIST_0_24)
-    commit_id, torch = rb.release_metadata(sdist)
+    commit_id, torch = release.release_metadata(sdist)
     assert (commit_id, torch) == ("ee0da84ab", "2.11.0")
-    target = rb.Target(version="0.24.0", commit=commit_id, sdist=sdist)
+    target = release.Target(version="0.24.0", commit=commit_id, sdist=sdist)
     outcome = rb.rebase(target, load_pin(repo / "vllm-pin.txt"), repo / "patches",
                         tmp_path / "rebase", replay=False, pin_file=repo / "vllm-pin.txt")
     table = rb.format_table(outcome.results)

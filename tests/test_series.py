@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from patchseries import SeriesError
 from patchseries.pin import Pin, load_pin
-from patchseries.tree import (UPSTREAM_TAG, apply_series, export_series, git, read_series)
+from patchseries.gitrepo import UPSTREAM_TAG, git
+from patchseries.patchfile import read_series
+from patchseries import tree as tree_module
+from patchseries.tree import apply_series, export_series
 
 
 def run_git(repo: Path, *args: str) -> str:
@@ -24,6 +30,7 @@ def make_fixture(tmp_path: Path) -> tuple[Path, Pin]:
     run_git(up, "init", "-q", "-b", "main")
     (up / "a.py").write_text("".join(f"line {i}\n" for i in range(20)))
     (up / "b.py").write_text("b = 1\n")
+    (up / ".gitignore").write_text("*.log\n.vscode/\n")
     run_git(up, "add", "-A")
     run_git(up, "commit", "-q", "-m", "release")
     sha = run_git(up, "rev-parse", "HEAD")
@@ -127,18 +134,200 @@ def test_series_applies_to_the_pinned_release_and_round_trips(repo, tmp_path, gi
     assert not export_series(tree, copy), "re-exporting the applied series changed patches/"
 
 
-def test_every_patch_has_a_header(repo):
-    for patch in read_series(repo / "patches"):
-        text = patch.read_text()
-        head = text.split("\n---\n", 1)[0]
-        assert "Subject: [PATCH]" in head, patch.name
-        assert "Upstream-Status: " in head, f"{patch.name} has no Upstream-Status"
-        body = head.split("Subject:", 1)[1]
-        assert len(body.strip().splitlines()) >= 3, f"{patch.name} says nothing of what/why"
-
-
 def test_upstream_commit_is_reproducible(tmp_path, git_env):
     up, pin = make_fixture(tmp_path)
     a = apply_series(pin, tree=tmp_path / "a", patch_dir=tmp_path / "none", src=up)
     b = apply_series(pin, tree=tmp_path / "b", patch_dir=tmp_path / "none", src=up)
     assert git(a, "rev-parse", UPSTREAM_TAG).stdout == git(b, "rev-parse", UPSTREAM_TAG).stdout
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def newer_series(up: Path, pin: Pin, patches: Path, tmp_path: Path) -> dict[str, bytes]:
+    """patches/ as a `git pull` would leave it: someone else changed patch
+    0002 and exported. Returns the new contents."""
+    other = apply_series(pin, tree=tmp_path / "other-clone", patch_dir=patches, src=up)
+    commit_change(other, "b.py", "b = 2\n", "b = 22\n", "fixup! second change")
+    subprocess.run(["git", "-C", str(other), "rebase", "-q", "-i", "--autosquash", UPSTREAM_TAG],
+                   check=True, capture_output=True, env={**os.environ, "GIT_SEQUENCE_EDITOR": ":"})
+    assert export_series(other, patches)
+    return snapshot(patches)
+
+
+def test_export_refuses_a_tree_applied_from_an_older_series(fixture_series, tmp_path):
+    up, pin, patches, tree = fixture_series
+    pulled = newer_series(up, pin, patches, tmp_path)
+    # vllm-src/ still holds the series before the pull: exporting it would
+    # silently revert the pulled change.
+    with pytest.raises(SeriesError, match=r"not the series tree/ was applied from.*make apply"):
+        export_series(tree, patches)
+    assert snapshot(patches) == pulled
+    # Work committed on top of the old series is refused the same way.
+    commit_change(tree, "a.py", "line 5\n", "line five\n", "more work")
+    with pytest.raises(SeriesError, match="not the series"):
+        export_series(tree, patches)
+    assert snapshot(patches) == pulled
+
+
+def test_make_apply_then_export_after_a_pull(fixture_series, tmp_path):
+    up, pin, patches, tree = fixture_series
+    pulled = newer_series(up, pin, patches, tmp_path)
+    apply_series(pin, tree=tree, patch_dir=patches, src=up)  # the tree held no work
+    assert (tree / "b.py").read_text() == "b = 22\n"
+    assert not export_series(tree, patches)
+    assert snapshot(patches) == pulled
+    commit_change(tree, "a.py", "line 5\n", "line five\n", "third change")
+    assert export_series(tree, patches)
+    assert (patches / "series").read_text().split()[-1] == "0003-third-change.patch"
+
+
+@pytest.mark.parametrize("stop", ["edit", "break"])
+def test_export_refuses_while_a_rebase_is_stopped(fixture_series, stop):
+    up, pin, patches, tree = fixture_series
+    before = snapshot(patches)
+    # `git rebase -i` stopped after the first patch (state rebase-merge):
+    # HEAD lacks the second patch and the work tree is clean.
+    editor = ("sed -i '1s/^pick/edit/'" if stop == "edit" else "sed -i '1a break'")
+    subprocess.run(["git", "-C", str(tree), "rebase", "-q", "-i", UPSTREAM_TAG], check=True,
+                   capture_output=True, env={**os.environ, "GIT_SEQUENCE_EDITOR": editor})
+    assert (tree / ".git" / "rebase-merge").is_dir()
+    assert run_git(tree, "status", "--porcelain") == ""
+    with pytest.raises(SeriesError, match=r"`git rebase` is in progress.*--continue"):
+        export_series(tree, patches)
+    with pytest.raises(SeriesError, match=r"`git rebase` is in progress"):
+        apply_series(pin, tree=tree, patch_dir=patches, src=up)
+    assert snapshot(patches) == before
+    run_git(tree, "rebase", "--continue")
+    assert not export_series(tree, patches)
+
+
+def test_export_refuses_cherry_pick_merge_and_detached_head(fixture_series):
+    up, pin, patches, tree = fixture_series
+    before = snapshot(patches)
+    run_git(tree, "checkout", "-q", "HEAD~1")
+    with pytest.raises(SeriesError, match="detached HEAD"):
+        export_series(tree, patches)
+    run_git(tree, "checkout", "-q", "main")
+    # What a merge or cherry-pick stopped by a conflict leaves in .git (the
+    # conflict itself would also make the tree unclean).
+    for state, what in (("MERGE_HEAD", "merge"), ("CHERRY_PICK_HEAD", "cherry-pick")):
+        (tree / ".git" / state).write_text(run_git(tree, "rev-parse", "HEAD~1") + "\n")
+        with pytest.raises(SeriesError, match=f"`git {what}` is in progress"):
+            export_series(tree, patches)
+        (tree / ".git" / state).unlink()
+    assert snapshot(patches) == before
+    assert not export_series(tree, patches)
+
+
+def test_export_refuses_a_tree_on_another_release(fixture_series):
+    up, pin, patches, tree = fixture_series
+    before = snapshot(patches)
+    moved = Pin(**{**pin.__dict__, "version": "9.9.10", "commit": "abcdef012345"})
+    with pytest.raises(SeriesError, match=r"vLLM 9.9.9 .* vllm-pin.txt names vLLM 9.9.10"):
+        export_series(tree, patches, pin=moved)
+    assert snapshot(patches) == before
+    assert not export_series(tree, patches, pin=pin)
+
+
+def test_export_refuses_conflict_markers(fixture_series):
+    up, pin, patches, tree = fixture_series
+    before = snapshot(patches)
+    commit_change(tree, "a.py", "line 7\n", "<<<<<<< HEAD\nline 7\n=======\nline seven\n"
+                  ">>>>>>> theirs\n", "resolved badly")
+    with pytest.raises(SeriesError, match=r"conflict markers in a\.py \(lines 8, 10, 12\)"):
+        export_series(tree, patches)
+    assert snapshot(patches) == before
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_apply_keeps_git_ignored_files(fixture_series, tmp_path, capsys, monkeypatch, exchange):
+    up, pin, patches, tree = fixture_series
+    if not exchange:  # a system without RENAME_EXCHANGE
+        monkeypatch.setattr(tree_module, "_exchange", lambda a, b: False)
+    (tree / ".vscode").mkdir()
+    (tree / ".vscode" / "settings.json").write_text("{}\n")
+    (tree / "serve.log").write_text("log\n")
+    newer_series(up, pin, patches, tmp_path)
+    capsys.readouterr()
+    apply_series(pin, tree=tree, patch_dir=patches, src=up)  # rebuilds the tree
+    assert (tree / "b.py").read_text() == "b = 22\n"
+    assert (tree / ".vscode" / "settings.json").read_text() == "{}\n"
+    assert (tree / "serve.log").read_text() == "log\n"
+    assert "kept 2 git-ignored" in capsys.readouterr().out
+    assert run_git(tree, "status", "--porcelain") == ""
+    assert not (tmp_path / "tree.old").exists()
+
+
+def test_two_applies_at_once_run_one_after_the_other(fixture_series, tmp_path, monkeypatch,
+                                                    capfd):
+    """A second `make apply` while one runs waits for it (lock beside the
+    tree) instead of building in the same place at the same time."""
+    up, pin, patches, _ = fixture_series
+    target = tmp_path / "vllm-src"
+    events: list[str] = []
+    release = threading.Event()
+    real = tree_module.import_upstream
+
+    def slow_import(*args, **kwargs):
+        name = threading.current_thread().name
+        events.append(f"{name} imports")
+        real(*args, **kwargs)
+        if name == "first":
+            release.wait(30)
+        events.append(f"{name} imported")
+
+    monkeypatch.setattr(tree_module, "import_upstream", slow_import)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            apply_series(pin, tree=target, patch_dir=patches, src=up)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    deadline = time.monotonic() + 60
+    while not events and not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert events == ["first imports"], (events, errors)
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    # The second run either says it waits, or (without the lock) starts to
+    # build in the same place.
+    err = ""
+    while ("waiting for" not in err and "second imports" not in events
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    release.set()
+    assert "waiting for" in err and "vllm-src.lock" in err
+    first.join(60)
+    second.join(60)
+    assert not errors, errors
+    # The second run did not start until the first was done; then it found
+    # the tree up to date.
+    assert events == ["first imports", "first imported"]
+    assert int(run_git(target, "rev-list", "--count", f"{UPSTREAM_TAG}..HEAD")) == 2
+    assert run_git(target, "status", "--porcelain") == ""
+    assert (target / "b.py").read_text() == "b = 2\n"
+
+
+def test_ignored_file_the_new_series_tracks_is_left_in_old(fixture_series, tmp_path, capsys):
+    up, pin, patches, tree = fixture_series
+    (tree / "serve.log").write_text("mine\n")
+    other = apply_series(pin, tree=tmp_path / "other-clone", patch_dir=patches, src=up)
+    (other / "serve.log").write_text("tracked\n")
+    run_git(other, "add", "-f", "serve.log")
+    run_git(other, "commit", "-q", "-m", "track a log\n\nUpstream-Status: Pending")
+    assert export_series(other, patches)
+    capsys.readouterr()
+    apply_series(pin, tree=tree, patch_dir=patches, src=up)
+    assert (tree / "serve.log").read_text() == "tracked\n"
+    assert (tmp_path / "tree.old" / "serve.log").read_text() == "mine\n"
+    assert "they are in tree.old/: serve.log" in capsys.readouterr().err
+    with pytest.raises(SeriesError, match=r"tree.old/ is left from an earlier `make apply`.*"
+                                          "take what you need"):
+        apply_series(pin, tree=tree, patch_dir=patches, src=up)

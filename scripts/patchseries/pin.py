@@ -65,3 +65,27 @@ def load_pin(path: Path = PIN_FILE) -> Pin:
         raise SeriesError(f"{path.name}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
                           f"column {column}); save {path} as UTF-8") from None
     return parse_pin(text, path.name)
+
+
+def pin_text(pin: Pin) -> str:
+    """vllm-pin.txt for `pin`, comments and all: the one place its text is
+    written (by `make rebase`); the committed file equals this."""
+    text = f"""\
+# The vLLM release this patch series applies to. One `key = value` per line;
+# parsed by scripts/patchseries/pin.py, the only reader of this file, and
+# written by `make rebase` (pin_text in the same file).
+version = {pin.version}
+# Upstream commit of the release, as recorded in its version metadata
+# (vllm/_version.py of the sdist). A VLLM_SRC checkout must be at it.
+commit = {pin.commit}
+sdist = {pin.sdist}
+sdist_sha256 = {pin.sdist_sha256}
+# x86_64 wheel whose compiled ops the default build reuses: the highest build
+# tag on the index when a release has several (they differ).
+wheel = {pin.wheel}
+wheel_sha256 = {pin.wheel_sha256}
+# torch that the release pins (its requirements).
+torch = {pin.torch}
+"""
+    parse_pin(text)  # never write a pin the tools cannot read
+    return text

@@ -3,143 +3,39 @@
 The work tree (vllm-src/, ignored by our repo) is a git repository whose first
 commit, tagged `upstream`, is the pristine release; each later commit is one
 patch of the series. A new tree is always built beside the old one and only
-swapped in when every patch applied, so a failure never destroys work.
+swapped in when every patch applied, so a failure never destroys work; the
+old tree's git-ignored files move into the new one.
+
+The tree remembers (in .git/patchseries-applied) the digest of the series it
+was last applied from or exported to. Export writes patches/ only when that
+is still what patches/ holds, and only from a branch with no rebase, am,
+merge or cherry-pick in progress. Apply and export hold vllm-src.lock.
 """
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
+import errno
+import fcntl
 import os
-import re
 import shutil
-import subprocess
-import tarfile
+import signal
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import PATCH_DIR, WORK_TREE, SeriesError
 from .fetch import fetch_file
+from .gitrepo import (UPSTREAM_TAG, am, apply_failures, commit_release, conflict_markers,
+                      export_patches, git, operation_in_progress)
+from .patchfile import read_series, series_digest
 from .pin import Pin
 
-UPSTREAM_TAG = "upstream"
-# The upstream commit is made with a fixed identity and date so that it is the
-# same commit on every machine.
-_BASE_ENV = {
-    "GIT_AUTHOR_NAME": "vLLM release",
-    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
-    "GIT_COMMITTER_NAME": "vLLM release",
-    "GIT_COMMITTER_EMAIL": "release@vllm.invalid",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
-}
-# Identity for commits `git am` makes when the user has none configured.
-_AM_IDENTITY = ["-c", "user.name=patch series", "-c", "user.email=series@localhost.invalid"]
-_STAMP = "patchseries-applied"  # in .git: digest of the series last applied
+__all__ = ["UPSTREAM_TAG", "apply_series", "export_series", "read_series", "series_digest"]
 
-
-def git(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool = True,
-        **kwargs) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "LC_ALL": "C", **(env or {})}
-    result = subprocess.run(["git", "-C", str(repo), *args], env=full_env,
-                            capture_output=True, text=True, **kwargs)
-    if check and result.returncode:
-        raise SeriesError(f"git {' '.join(args)} failed in {repo}:\n{result.stderr.strip()}")
-    return result
-
-
-def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
-    series = patch_dir / "series"
-    if not series.exists():
-        return []
-    patches = []
-    for lineno, raw in enumerate(series.read_text().splitlines(), 1):
-        name = raw.split("#", 1)[0].strip()
-        if not name:
-            continue
-        path = patch_dir / name
-        if not path.is_file():
-            raise SeriesError(f"{series}:{lineno}: {name} does not exist")
-        patches.append(path)
-    return patches
-
-
-def series_digest(patches: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in patches:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def _quote(path: str) -> str:
-    if not re.search(r'["\\\n]', path) and not path.startswith('"'):
-        return path
-    return '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _import_tar(tree: Path, tar: tarfile.TarFile, strip_top: bool, message: str,
-                parent: str | None) -> str:
-    """Commit the files of a tar stream (an sdist, or `git archive`) with
-    `git fast-import`, without unpacking them: the same tree `git add -A -f`
-    of the unpacked files gives, in a fraction of the time. Returns the commit."""
-    ref = "refs/patchseries/import"
-    # Light compression: the objects are read once or twice, then thrown away.
-    proc = subprocess.Popen(["git", "-C", str(tree), "-c", "pack.compression=1", "fast-import",
-                             "--quiet", "--done"],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    out = proc.stdin
-    entries: dict[str, tuple[str, int]] = {}
-    try:
-        for mark, member in enumerate(tar, 1):
-            name = member.name.partition("/")[2] if strip_top else member.name
-            if not name or member.isdir():
-                continue
-            if member.issym():
-                data, mode = member.linkname.encode(), "120000"
-            elif member.isreg():
-                data = tar.extractfile(member).read()
-                mode = "100755" if member.mode & 0o100 else "100644"
-            elif member.islnk():
-                target = member.linkname if not strip_top else member.linkname.partition("/")[2]
-                if target in entries:
-                    entries[name] = entries[target]
-                continue
-            else:
-                continue
-            out.write(b"blob\nmark :%d\ndata %d\n%s\n" % (mark, len(data), data))
-            entries[name] = (mode, mark)
-        who = f"{_BASE_ENV['GIT_AUTHOR_NAME']} <{_BASE_ENV['GIT_AUTHOR_EMAIL']}> 946684800 +0000"
-        msg = message.encode()
-        out.write(f"commit {ref}\nauthor {who}\ncommitter {who}\n".encode()
-                  + b"data %d\n%s\n" % (len(msg), msg)
-                  + (f"from {parent}\n".encode() if parent else b"")
-                  + b"deleteall\n")
-        for name, (mode, mark) in sorted(entries.items()):
-            out.write(f"M {mode} :{mark} {_quote(name)}\n".encode())
-        out.write(b"\ndone\n")
-        out.close()
-    except BrokenPipeError:
-        pass
-    if proc.wait():
-        raise SeriesError(f"git fast-import failed in {tree}:\n{proc.stderr.read().decode()}")
-    commit = git(tree, "rev-parse", ref).stdout.strip()
-    git(tree, "update-ref", "-d", ref)
-    return commit
-
-
-def commit_release(tree: Path, message: str, parent: str | None, sdist: Path | None = None,
-                   checkout: Path | None = None, ref: str | None = None) -> str:
-    """Commit a release sdist, or a checkout's commit, into `tree`."""
-    if sdist is not None:
-        with tarfile.open(sdist) as tar:
-            return _import_tar(tree, tar, True, message, parent)
-    archive = subprocess.Popen(["git", "-C", str(checkout), "archive", "--format=tar", ref],
-                               stdout=subprocess.PIPE)
-    with tarfile.open(fileobj=archive.stdout, mode="r|") as tar:
-        commit = _import_tar(tree, tar, False, message, parent)
-    if archive.wait():
-        raise SeriesError(f"git archive {ref} failed in {checkout}")
-    return commit
+_STAMP = "patchseries-applied"  # in .git: digest of the series last applied or exported
 
 
 def _check_checkout(src: Path, pin: Pin) -> None:
@@ -157,7 +53,7 @@ def import_upstream(pin: Pin, dest: Path, src: Path | None = None) -> None:
     """Make `dest` a git repo whose one commit, tagged upstream, is the release."""
     dest.mkdir(parents=True)
     git(dest, "init", "-q", "-b", "main")
-    message = f"vLLM {pin.version} (upstream {pin.commit})"
+    message = _base_subject(pin)
     if src is None:
         sdist = fetch_file("vllm", pin.sdist, pin.sdist_sha256)
         print(f"importing {sdist.name}", flush=True)
@@ -173,35 +69,17 @@ def import_upstream(pin: Pin, dest: Path, src: Path | None = None) -> None:
 def apply_patches(tree: Path, patches: list[Path]) -> None:
     for i, patch in enumerate(patches, 1):
         print(f"[{i}/{len(patches)}] {patch.name}", flush=True)
-        # --keep-non-patch: a "[Kernel] ..." subject keeps its tag on export.
-        result = git(tree, *_AM_IDENTITY, "am", "--3way", "--keep-cr", "--keep-non-patch",
-                     str(patch), check=False)
-        if result.returncode:
-            conflicts = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
-            git(tree, "am", "--abort", check=False)
-            if not conflicts:  # no 3-way merge possible: ask which hunks fail
-                check = git(tree, "apply", "--check", str(patch), check=False).stderr
-                conflicts = sorted(set(re.findall(r"^error: patch failed: (.+?):\d+$", check, re.M)
-                                       + re.findall(r"^error: (.+?): does not exist", check, re.M)))
+        result = am(tree, [patch])
+        if not result.ok:
+            conflicts = result.unmerged or sorted(apply_failures(tree, patch))
             detail = (f"conflicts in: {', '.join(conflicts)}" if conflicts
-                      else result.stderr.strip() or result.stdout.strip())
+                      else result.message)
             raise SeriesError(f"patch {patch.name} does not apply; {detail}")
 
 
-def export_patches(tree: Path, out_dir: Path) -> list[Path]:
-    """Write upstream..HEAD as patch files into the empty directory out_dir."""
-    # Fixed abbreviation, zero From-hash and no version signature keep a
-    # re-export of unchanged commits byte-identical.
-    result = git(tree, "-c", "core.abbrev=12", "-c", "diff.noprefix=false",
-                 "-c", "diff.mnemonicPrefix=false", "-c", "diff.algorithm=myers",
-                 "format-patch", "--zero-commit", "--no-signature", "-N", "--no-renames",
-                 "-o", str(out_dir), f"{UPSTREAM_TAG}..HEAD")
-    return [Path(line) for line in result.stdout.split()]
-
-
 def _check_clean(tree: Path) -> None:
-    if (tree / ".git" / "rebase-apply").exists():
-        raise SeriesError(f"{tree}: a `git am` is in progress; finish or abort it first")
+    if op := operation_in_progress(tree):
+        raise SeriesError(op)
     if git(tree, "status", "--porcelain").stdout.strip():
         raise SeriesError(f"{tree} has uncommitted changes; commit them (one commit per "
                           "patch) or discard them first")
@@ -212,24 +90,129 @@ def _tree_digest(tree: Path) -> str:
         return series_digest(export_patches(tree, Path(tmp)))
 
 
+def _base_subject(pin: Pin) -> str:
+    return f"vLLM {pin.version} (upstream {pin.commit})"
+
+
+@contextmanager
+def _locked(tree: Path) -> Iterator[None]:
+    """Hold <tree>.lock while one `make apply` or `make patches` works on
+    the tree and patches/; a second one waits for it."""
+    path = tree.with_name(tree.name + ".lock")
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            print(f"waiting for {holder}, which holds {path.name} (another `make apply` or "
+                  f"`make patches` in this checkout) ...", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"`{' '.join(os.path.basename(a) for a in sys.argv[:2])}` "
+                   f"(pid {os.getpid()})\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            lock.truncate(0)
+
+
+def _ignored_files(tree: Path) -> list[str]:
+    """git-ignored files and folders of the work tree (editor settings, logs)."""
+    out = git(tree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+              "--directory").stdout
+    return [name.rstrip("/") for name in out.split("\0") if name]
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False
+    where the system or file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), f"cannot swap {a} and {b}", str(a))
+
+
+def _swap_in(tmp: Path, tree: Path) -> None:
+    """Put the finished tree `tmp` in the place of `tree` in one step and
+    carry the old tree's git-ignored files over. The old tree is deleted
+    only when everything in it that is not in the series has been moved;
+    else it stays as <tree>.old with what is left."""
+    if not tree.exists():
+        os.rename(tmp, tree)
+        return
+    old = tree.with_name(tree.name + ".old")
+    ignored = _ignored_files(tree)
+    # Ctrl-C waits until the new tree is in place.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if _exchange(tmp, tree):
+            os.rename(tmp, old)
+        else:  # two renames: for an instant there is no tree
+            os.rename(tree, old)
+            os.rename(tmp, tree)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    kept, left = [], []
+    for name in ignored:
+        dest = tree / name
+        try:
+            if os.path.lexists(dest):
+                raise FileExistsError
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(old / name, dest)
+            kept.append(name)
+        except OSError:
+            left.append(name)
+    if kept:
+        shown = ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
+        print(f"kept {len(kept)} git-ignored file{'s' if len(kept) != 1 else ''} or "
+              f"folder{'s' if len(kept) != 1 else ''} of the old {tree.name}/: {shown}")
+    if left:
+        print(f"could not move {len(left)} git-ignored files back into {tree.name}/ (the new "
+              f"series has a file there): they are in {old.name}/: {', '.join(left)}",
+              file=sys.stderr)
+    elif old.exists():
+        shutil.rmtree(old)
+
+
 def apply_series(pin: Pin, tree: Path = WORK_TREE, patch_dir: Path = PATCH_DIR,
                  src: Path | None = None) -> Path:
     """Create (or refresh) the patched work tree. Returns its path."""
+    with _locked(tree):
+        return _apply_series(pin, tree, patch_dir, src)
+
+
+def _apply_series(pin: Pin, tree: Path, patch_dir: Path, src: Path | None) -> Path:
     patches = read_series(patch_dir)
     wanted = series_digest(patches)
-    base_subject = f"vLLM {pin.version} (upstream {pin.commit})"
+    old = tree.with_name(tree.name + ".old")
+    if old.exists():
+        raise SeriesError(
+            f"{old.name}/ is left from an earlier `make apply`: "
+            + (f"the files in it could not be moved into {tree.name}/; take what you need "
+               f"from it, then remove it" if tree.exists() else
+               f"it is the previous {tree.name}/ (that run was interrupted); rename it back "
+               f"(mv {old.name} {tree.name}) and run again"))
     if tree.exists():
         if not (tree / ".git").exists() or git(tree, "rev-parse", "-q", "--verify",
                                                 UPSTREAM_TAG, check=False).returncode:
             raise SeriesError(f"{tree} exists but was not made by this tool; move it away")
         _check_clean(tree)
         current = _tree_digest(tree)
-        same_base = git(tree, "log", "-1", "--format=%s", UPSTREAM_TAG).stdout.strip() == base_subject
+        same_base = (git(tree, "log", "-1", "--format=%s", UPSTREAM_TAG).stdout.strip()
+                     == _base_subject(pin))
         if current == wanted and same_base:
             print(f"{tree.name} already holds vLLM {pin.version} + {len(patches)} patches")
             return tree
-        stamp = tree / ".git" / _STAMP
-        if not stamp.exists() or stamp.read_text().strip() != current:
+        if _applied_from(tree) != current:
             raise SeriesError(
                 f"{tree.name} has commits that are not in patches/; export them with "
                 f"`make patches`, or remove {tree.name} to discard them")
@@ -242,18 +225,59 @@ def apply_series(pin: Pin, tree: Path = WORK_TREE, patch_dir: Path = PATCH_DIR,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if tree.exists():
-        shutil.rmtree(tree)  # holds no work: its commits equal the last applied series
-    tmp.rename(tree)
+    _swap_in(tmp, tree)  # the old tree holds no work: its commits equal the last applied series
     print(f"{tree.name}: vLLM {pin.version} + {len(patches)} patches applied")
     return tree
 
 
-def export_series(tree: Path = WORK_TREE, patch_dir: Path = PATCH_DIR) -> bool:
-    """Write the tree's commits to patch_dir. Returns whether anything changed."""
+def _applied_from(tree: Path) -> str | None:
+    """Digest of the series the tree was last applied from or exported to."""
+    stamp = tree / ".git" / _STAMP
+    return stamp.read_text().strip() if stamp.exists() else None
+
+
+def _check_exportable(tree: Path, patch_dir: Path, pin: Pin | None) -> None:
+    """Refuse to export a tree whose commits are not the series plus the
+    user's edits: a rebase or similar stopped half-way, a detached HEAD, a
+    tree applied from another series or release, conflict markers."""
+    _check_clean(tree)
+    if git(tree, "symbolic-ref", "-q", "HEAD", check=False).returncode:
+        raise SeriesError(
+            f"{tree.name}/ is on a detached HEAD; the export takes upstream..HEAD of a branch. "
+            f"Go back to it (`git -C {tree.name} checkout main`) first")
+    if _applied_from(tree) != series_digest(read_series(patch_dir)):
+        raise SeriesError(
+            f"{patch_dir.name}/ is not the series {tree.name}/ was applied from: it changed since "
+            f"(a git pull, checkout or merge?), and exporting would undo that change. Nothing "
+            f"was written. If {tree.name}/ holds no new work, run `make apply` to rebuild it "
+            f"from {patch_dir.name}/. If it does, save that work first (`git -C {tree.name} "
+            f"format-patch -o ../my-work <first-new-commit>^..HEAD`), remove {tree.name}/, run "
+            f"`make apply` and replay it there (`git am -3 ../my-work/*.patch`)")
+    if pin is not None:
+        base = git(tree, "log", "-1", "--format=%s", UPSTREAM_TAG).stdout.strip()
+        if base != _base_subject(pin):
+            raise SeriesError(
+                f"{tree.name}/ is built on {base}, but vllm-pin.txt names vLLM {pin.version} "
+                f"(upstream {pin.commit}); exporting would write patches for the wrong release. "
+                f"Run `make apply` to rebuild {tree.name}/ on the pinned release")
+    if markers := conflict_markers(tree, UPSTREAM_TAG):
+        raise SeriesError(
+            f"{tree.name}/ has conflict markers in {', '.join(markers)}; resolve them, amend "
+            "the commit they belong to, then export")
+
+
+def export_series(tree: Path = WORK_TREE, patch_dir: Path = PATCH_DIR,
+                  pin: Pin | None = None) -> bool:
+    """Write the tree's commits to patch_dir. Returns whether anything changed.
+    With `pin`, the tree must be built on that release."""
     if not (tree / ".git").exists():
         raise SeriesError(f"{tree} does not exist; run `make apply` first")
-    _check_clean(tree)
+    with _locked(tree):
+        _check_exportable(tree, patch_dir, pin)
+        return _export_series(tree, patch_dir)
+
+
+def _export_series(tree: Path, patch_dir: Path) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         new = export_patches(tree, Path(tmp))
         series = "".join(f"{p.name}\n" for p in new)

@@ -1,0 +1,147 @@
+"""patches/: the series file, and what a patch file says about itself.
+
+A patch file is `git format-patch` output. Its commit message carries
+header fields after the what/why text, e.g.
+
+    Upstream-Status: Backport [vLLM 0.33.0]
+    Obsolete-If: vllm/transformers_utils/gguf_utils.py is gone
+    Tests: tests/gguf/test_speculators_probe.py
+
+A field's value may go on over the following lines, up to a blank line or
+the next field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import PATCH_DIR, SeriesError
+
+FIELDS = ("Upstream-Status", "Obsolete-If", "Tests")
+_FIELD = re.compile(r"^([A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*):(?:\s+(.*?))?\s*$")
+
+
+def series_entries(patch_dir: Path = PATCH_DIR) -> list[tuple[int, str]]:
+    """(line number, name) of each entry of patch_dir/series, in order."""
+    series = patch_dir / "series"
+    if not series.exists():
+        return []
+    entries = []
+    for lineno, raw in enumerate(series.read_text().splitlines(), 1):
+        name = raw.split("#", 1)[0].strip()
+        if name:
+            entries.append((lineno, name))
+    return entries
+
+
+def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
+    """The patch files patch_dir/series lists, in order."""
+    patches: list[Path] = []
+    first: dict[str, int] = {}
+    for lineno, name in series_entries(patch_dir):
+        path = patch_dir / name
+        where = f"{patch_dir / 'series'}:{lineno}"
+        if not path.is_file():
+            raise SeriesError(f"{where}: {name} does not exist")
+        if name in first:
+            raise SeriesError(f"{where}: {name} is listed twice (also line {first[name]})")
+        first[name] = lineno
+        patches.append(path)
+    return patches
+
+
+def series_digest(patches: list[Path]) -> str:
+    """Digest of the series' names and contents: identifies the series."""
+    digest = hashlib.sha256()
+    for path in patches:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def message_of(text: str) -> str:
+    """The commit message of a patch file: the part before its diffstat."""
+    return text.split("\n---\n", 1)[0]
+
+
+def header_fields(text: str) -> dict[str, list[str]]:
+    """{field: [value, ...]} of the FIELDS in a patch file's commit message;
+    continuation lines are joined to their field's value with one space."""
+    fields: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in message_of(text).splitlines():
+        m = _FIELD.match(line)
+        if m and m.group(1) in FIELDS:
+            current = [m.group(2) or ""]
+            fields.setdefault(m.group(1), []).append(current)  # type: ignore[arg-type]
+        elif m or not line.strip():
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return {k: [" ".join(p for p in parts if p) for parts in v] for k, v in fields.items()}
+
+
+def paths_in_tests_field(value: str) -> list[str]:
+    """The repository paths named in a `Tests:` value: words ending in .py,
+    or starting with tests/ or bench/; a pytest node id (file::test) and
+    trailing punctuation are cut off."""
+    paths = []
+    for word in re.split(r"[\s,;()]+", value):
+        word = word.split("::", 1)[0].rstrip(".:")
+        if word.endswith(".py") or word.startswith(("tests/", "bench/")):
+            paths.append(word)
+    return paths
+
+
+@dataclass
+class PatchInfo:
+    path: Path
+    modified: list[str]
+    created: list[str]
+    deleted: list[str]
+    obsolete_if: list[tuple[str, str | None]]  # `Obsolete-If:` (path, regex; None: is gone)
+    backport_of: str | None = None      # X of `Upstream-Status: Backport [vLLM X]`
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def files(self) -> list[str]:
+        return self.modified + self.created + self.deleted
+
+
+def read_patch(path: Path) -> PatchInfo:
+    text = path.read_text(errors="replace")
+    fields = header_fields(text)
+    obsolete_if = []
+    for value in fields.get("Obsolete-If", []):
+        cond = re.fullmatch(r"(\S+)\s+(?:matches\s+(.+)|(is gone))", value)
+        if not cond:
+            raise SeriesError(f"{path.name}: `Obsolete-If: {value}` is neither "
+                              "`<path> matches <regex>` nor `<path> is gone`")
+        if cond.group(2):
+            try:
+                re.compile(cond.group(2))
+            except re.error as e:
+                raise SeriesError(f"{path.name}: bad regex in Obsolete-If: {e}") from None
+        obsolete_if.append((cond.group(1), cond.group(2)))
+    backport = None
+    for value in fields.get("Upstream-Status", []):
+        m = re.match(r"Backport\s*\[(?:vLLM\s+)?v?(\d+(?:\.\d+)+)", value, re.I)
+        backport = m.group(1) if m else backport
+    modified, created, deleted = [], [], []
+    for block in re.split(r"^diff --git ", text, flags=re.M)[1:]:
+        m = re.match(r"a/(\S+) b/(\S+)\n((?:(?!--- |\+\+\+ |@@ ).*\n)*)", block)
+        if not m:
+            continue
+        header = m.group(3)
+        if "new file mode" in header:
+            created.append(m.group(2))
+        elif "deleted file mode" in header:
+            deleted.append(m.group(1))
+        else:
+            modified.append(m.group(1))
+    return PatchInfo(path, modified, created, deleted, obsolete_if, backport)
