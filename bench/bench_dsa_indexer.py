@@ -1,29 +1,30 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Check and time the Triton DSA indexer against fp64 references and DeepGEMM.
+"""Check and time the Triton DSA indexer against the fp64 reference
+(tests/support) and DeepGEMM.
 
-Standalone: needs torch, triton and the kernel module
-``vllm.v1.attention.ops.triton_dsa_indexer`` on the path (the patched vLLM,
-or PYTHONPATH=wip/pkg in the patch-series repo). DeepGEMM is optional: pass
-the folder holding a ``deep_gemm`` package (e.g. the wheel's
-``vllm/third_party``) with --deep-gemm; it runs on SM90/SM100 only.
+Needs torch, triton and the kernel module
+``vllm.v1.attention.ops.triton_dsa_indexer`` (the patched wheel). DeepGEMM
+(SM90/SM100 only) is the ``deep_gemm`` package in the folder given with
+--deep-gemm (e.g. the wheel's ``vllm/third_party``), else on the path.
+Writes every check, timing and sweep point to
+bench/results/<card>/dsa_indexer.jsonl (or under --results); render the
+tables with bench/render.py.
 
 GLM-5 indexer shapes: 32 heads x 128 dims, fp8 e4m3 q/k, top-2048, cache
 block size 64. Prefill = chunked causal windows; decode = paged cache with
 shuffled blocks, next_n 1 and 2.
 
-    python bench/bench_dsa_indexer.py --deep-gemm DIR --out results/
-    python bench/bench_dsa_indexer.py --smoke      # tiny, CPU interpreter
+    python bench/bench_dsa_indexer.py --deep-gemm DIR [--skip sweep]
+    python bench/bench_dsa_indexer.py --smoke      # tiny, CPU interpreter, writes nothing
 """
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -31,15 +32,18 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import harness  # noqa: E402, F401  (puts tests/ on the path for support)
 import torch  # noqa: E402
 import triton  # noqa: E402
-
+from benchdata import BenchData, environment, results_dir  # noqa: E402
+from support.indexer_ref import ref_logits  # noqa: E402
+from support.peers import load_deep_gemm as load_peer_deep_gemm  # noqa: E402
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
 
 H, D, TOPK, BLOCK = 32, 128, 2048, 64
 FP8 = torch.float8_e4m3fn
 T0 = time.time()
-RESULTS: dict = {"checks": [], "timings": [], "sweep": [], "errors": []}
+DATA = BenchData("dsa_indexer", {})
 
 
 def log(*a):
@@ -47,7 +51,7 @@ def log(*a):
 
 
 def check(name, ok, **info):
-    RESULTS["checks"].append({"name": name, "ok": bool(ok), **info})
+    DATA.row("checks", {"name": name}, ok=bool(ok), **info)
     log("PASS" if ok else "FAIL", name, json.dumps(info, default=str))
     return ok
 
@@ -56,7 +60,7 @@ def section(fn):
     def run(*a, **k):
         if time.time() - T0 > ARGS.deadline:
             log("SKIP (deadline)", fn.__name__)
-            RESULTS["errors"].append(f"skipped {fn.__name__}: deadline")
+            DATA.notes.append(f"skipped {fn.__name__}: deadline")
             return None
         try:
             return fn(*a, **k)
@@ -64,7 +68,7 @@ def section(fn):
             tb = traceback.format_exc()
             log("ERROR in", fn.__name__, repr(e))
             print(tb, flush=True)
-            RESULTS["errors"].append(f"{fn.__name__}: {e!r}")
+            DATA.notes.append(f"error in {fn.__name__}: {e!r}")
             return None
 
     run.__name__ = fn.__name__
@@ -86,11 +90,6 @@ def quant_k(n, dev):
     # ue8m0 scales, as vLLM's indexer uses (scale_fmt="ue8m0").
     scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return (k / scale[:, None]).to(FP8), scale
-
-
-def ref_rows(q8, k8, k_scale, w):
-    s = torch.einsum("thd,sd->ths", q8.double(), k8.double()).clamp_min(0)
-    return (s * w.double()[:, :, None]).sum(1) * k_scale.double()[None, :]
 
 
 def fp64_tol(dev, upcast=False):
@@ -196,18 +195,16 @@ DG = None
 
 def load_deep_gemm():
     global DG
-    if not ARGS.deep_gemm or SMOKE:
+    if SMOKE:
         return
-    if torch.cuda.get_device_capability()[0] not in (9, 10):
-        log("DeepGEMM: this GPU is not SM90/SM100, skipped")
+    DG, why = load_peer_deep_gemm(ARGS.deep_gemm)
+    if DG is None:
+        log("DeepGEMM:", why)
+        DATA.figures["deep_gemm"] = why
         return
-    os.environ.setdefault(
-        "DG_JIT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dg_jit_cache"))
-    sys.path.insert(0, ARGS.deep_gemm)
-    import deep_gemm  # type: ignore
-
-    DG = deep_gemm
-    log("DeepGEMM", getattr(deep_gemm, "__version__", "?"), "from", deep_gemm.__file__)
+    version = getattr(DG, "__version__", "?")
+    DATA.figures["deep_gemm"] = f"{version} from {DG.__file__}"
+    log("DeepGEMM", version, "from", DG.__file__)
 
 
 def dg_mqa(q, k8, k_scale, w, ks, ke, clean):
@@ -223,6 +220,16 @@ def dg_paged(q, cache, w, ctx2d, bt, max_len, clean, sched=None):
         (q, None), cache.unsqueeze(-2), w, ctx2d, bt, sched, max_len, clean_logits=clean
     )
     return out, sched
+
+
+def add(table, row, input_keys):
+    """One row of ``table``: the keys named in ``input_keys`` are what ran,
+    the others what was measured."""
+    DATA.row(
+        table,
+        {k: v for k, v in row.items() if k in input_keys},
+        **{k: v for k, v in row.items() if k not in input_keys},
+    )
 
 
 def bench(fn):
@@ -252,27 +259,17 @@ def decode_shapes():
 
 @section
 def env_info():
-    info = {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "smoke": SMOKE,
-    }
+    DATA.env = environment()
+    DATA.env["smoke"] = SMOKE
     if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sms=p.multi_processor_count,
-                    capability=torch.cuda.get_device_capability(),
-                    cuda=torch.version.cuda)
         try:
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm",
+            DATA.env["sm_clocks_mhz"] = subprocess.run(
+                ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,clocks.max.sm",
                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20
             ).stdout.strip()
-        except Exception as e:
-            info["driver"] = repr(e)
-    RESULTS["env"] = info
-    log("env", json.dumps(info, default=str))
+        except (OSError, subprocess.SubprocessError) as e:
+            DATA.env["sm_clocks_mhz"] = repr(e)
+    log("env", json.dumps(DATA.env, default=str))
 
 
 @section
@@ -289,7 +286,7 @@ def prefill_checks(dev):
               torch.equal(torch.isneginf(out), ~valid) and not out.isnan().any())
         rows = torch.unique(torch.cat([torch.tensor([0, t - 1]),
                                        torch.randint(0, t, (30,))])).to(dev)
-        ref = ref_rows(q[rows], k8, ks_, w[rows])
+        ref = ref_logits(q[rows], k8, ks_, w[rows])
         m = valid[rows]
         e = rel(out[rows][m], ref[m])
         check(f"{name}: vs fp64 (sampled rows)", e < fp64_tol(dev), rel_err=e)
@@ -360,7 +357,7 @@ def decode_checks(dev):
         for i in sorted({0, b - 1, b // 2}):
             n = int(ctx[i])
             k8, sc = gather_keys(kv, bt[i], n)
-            ref = ref_rows(q[i], k8, sc, w[i * next_n:(i + 1) * next_n])
+            ref = ref_logits(q[i], k8, sc, w[i * next_n:(i + 1) * next_n])
             for j in range(next_n):
                 r = int(lens[i * next_n + j])
                 if r:
@@ -372,7 +369,7 @@ def decode_checks(dev):
                                           upcast=True)
             i, n = 0, int(ctx[0])
             k8, sc = gather_keys(kv, bt[0], n)
-            ref = ref_rows(q[0], k8, sc, w[:next_n])
+            ref = ref_logits(q[0], k8, sc, w[:next_n])
             eu = rel(up[next_n - 1, :n], ref[next_n - 1, :n])
             check(f"{name}: fp8->fp16 path vs fp64", eu < 1e-5, rel_err=eu)
             del up
@@ -415,7 +412,7 @@ def prefill_timings(dev):
             row["deepgemm_ms"] = bench(lambda: dg_mqa(q, k8, ks_, w, ks, ke, False))
             row["ratio_dg_over_triton"] = row["deepgemm_ms"] / row["triton_ms"]
         row["triton_tflops"] = flops / row["triton_ms"] / 1e9
-        RESULTS["timings"].append(row)
+        add("timings", row, ("kind", "T", "S", "reqs", "B", "next_n", "max_len"))
         log(json.dumps(row))
 
 
@@ -448,7 +445,7 @@ def decode_timings(dev):
         idx = torch.empty(b * next_n, TOPK, dtype=torch.int32, device=dev)
         row["fallback_topk_ms"] = bench(lambda: tdi.top_k_per_row_decode(
             out, next_n, ctx2d, idx, b * next_n, out.stride(0), 1, TOPK))
-        RESULTS["timings"].append(row)
+        add("timings", row, ("kind", "T", "S", "reqs", "B", "next_n", "max_len"))
         log(json.dumps(row))
 
 
@@ -488,7 +485,7 @@ def sweep(dev):
                    "ms": ms, "ok": bool(same and e < 1e-5), "rel_vs_default": e}
         except Exception as ex:
             row = {"kind": "prefill", "config": cfg.__dict__, "error": repr(ex)[:300]}
-        RESULTS["sweep"].append(row)
+        add("sweep", row, ("kind", "shape", "config"))
         log(json.dumps(row))
     b, next_n, max_len = (3, 1, 300) if SMOKE else (128, 1, 65536)
     q, cache, w, ctx, ctx2d, bt, _ = decode_case(b, next_n, max_len, dev, seed=4)
@@ -510,19 +507,23 @@ def sweep(dev):
                    "config": cfg.__dict__, "ms": ms, "ok": bool(ok)}
         except Exception as ex:
             row = {"kind": "decode", "config": cfg.__dict__, "error": repr(ex)[:300]}
-        RESULTS["sweep"].append(row)
+        add("sweep", row, ("kind", "shape", "config"))
         log(json.dumps(row))
 
 
 def summary():
-    lines = ["", "== checks: %d pass, %d fail; errors: %d" % (
-        sum(c["ok"] for c in RESULTS["checks"]),
-        sum(not c["ok"] for c in RESULTS["checks"]), len(RESULTS["errors"]))]
-    for c in RESULTS["checks"]:
-        if not c["ok"]:
-            lines.append("  FAIL " + c["name"])
+    rows = {t: [r for r in DATA.rows if r["table"] == t]
+            for t in ("checks", "timings", "sweep")}
+    checks = [r["figures"]["ok"] for r in rows["checks"]]
+    lines = ["", "== checks: %d pass, %d fail; notes: %d" % (
+        sum(checks), len(checks) - sum(checks), len(DATA.notes))]
+    for r in rows["checks"]:
+        if not r["figures"]["ok"]:
+            lines.append("  FAIL " + r["inputs"]["name"])
+    lines += ["  " + n for n in DATA.notes]
     lines.append("== timings (median ms)")
-    for r in RESULTS["timings"]:
+    for rec in rows["timings"]:
+        r = {**rec["inputs"], **rec["figures"]}
         shape = (f"T={r['T']} S={r['S']} reqs={r['reqs']}" if r["kind"] == "prefill"
                  else f"B={r['B']} next_n={r['next_n']} ctx~{r['mean_ctx']:.0f}")
         extra = (f" {r['triton_tflops']:.0f} TFLOP/s" if "triton_tflops" in r
@@ -533,7 +534,8 @@ def summary():
             dg += f" (triton in a graph {r['triton_graph_ms']:.3f})"
         lines.append(f"  {r['kind']:7s} {shape:32s} triton {r['triton_ms']:.3f}"
                      f"{extra}{dg}")
-    for r in RESULTS["sweep"]:
+    for rec in rows["sweep"]:
+        r = {**rec["inputs"], **rec["figures"]}
         lines.append(f"  sweep {r['kind']} {r.get('shape')} {r.get('config')} "
                      f"{r.get('ms', float('nan')):.3f} ok={r.get('ok')} "
                      f"{r.get('error', '')}")
@@ -546,7 +548,9 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--deep-gemm", default=None,
                     help="folder holding the deep_gemm package")
-    ap.add_argument("--out", default=None, help="folder for results.json")
+    ap.add_argument("--results", default=None,
+                    help="results root (default bench/results); data go to "
+                    "<root>/<card>/dsa_indexer.jsonl (with --smoke: only if given)")
     ap.add_argument("--deadline", type=float, default=1e9,
                     help="seconds after which remaining sections are skipped")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -562,13 +566,12 @@ def main():
             fn(dev)
     text = summary()
     print(text, flush=True)
-    if ARGS.out:
-        os.makedirs(ARGS.out, exist_ok=True)
-        with open(os.path.join(ARGS.out, "dsa_indexer_results.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-        with open(os.path.join(ARGS.out, "dsa_indexer_summary.txt"), "w") as f:
-            f.write(text + "\n")
-    return 0 if all(c["ok"] for c in RESULTS["checks"]) else 1
+    if not SMOKE or ARGS.results:
+        card = DATA.env.get("card", "cpu-triton-interpreter")
+        path = DATA.write(results_dir(card, ARGS.results))
+        log(f"wrote {path}; render with: python bench/render.py")
+    checks = [r for r in DATA.rows if r["table"] == "checks"]
+    return 0 if all(r["figures"]["ok"] for r in checks) else 1
 
 
 if __name__ == "__main__":

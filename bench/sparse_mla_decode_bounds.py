@@ -20,21 +20,26 @@ A second table (``--sass``, works without a GPU) reads the compiler's
 report for the 16-head configs: shared memory, registers, and per loop
 iteration (one block of rows) the instruction counts of one warp.
 
-    python bench/sparse_mla_decode_bounds.py --out bounds.md [--sass]
+Writes bench/results/<card>/sparse_mla_decode_bounds.jsonl (or under
+--results); bench/render.py renders the tables.
+
+    python bench/sparse_mla_decode_bounds.py [--sass]
+    python bench/sparse_mla_decode_bounds.py --no-timings --card "NVIDIA H200"
 """
 
-# Long lines are markdown table text; the lambdas handed to timed() are
-# called before the loop moves on.
-# ruff: noqa: E501, B023
+# The lambdas handed to timed() are called before the loop moves on.
+# ruff: noqa: B023
 import argparse
 import os
 import re
 import subprocess
 import tempfile
 
+import harness
 import torch
 import triton
 import triton.language as tl
+from benchdata import BenchData, environment, results_dir
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
@@ -69,7 +74,7 @@ def _gather_only(kv_ptr, idx_ptr, out_ptr, stride_kv, stride_idx, split_len,
     tl.store(out_ptr + s * 64 + sp, total)
 
 
-def gather_floor(kv, sets, s_q, timed):
+def gather_floor(kv, sets, s_q):
     """(µs, splits) of the fastest gather-only variant."""
     best = None
     out = torch.empty(s_q * 64, device="cuda", dtype=torch.float32)
@@ -85,7 +90,7 @@ def gather_floor(kv, sets, s_q, timed):
                         num_warps=warps,
                     )  # fmt: skip
 
-                t = timed(f, sets)
+                t = harness.timed(f, sets)
                 if best is None or t < best[0]:
                     best = (t, splits)
     return best
@@ -98,51 +103,46 @@ class _NoMerge:
         return lambda *args, **kwargs: None
 
 
-def time_case(kv, sets, timed, cfg, splits, one_cta):
+def time_case(kv, sets, cfg, splits, one_cta):
     """(call, main, main with rows in L2) in ms."""
     call = lambda q, i, kv=kv: tsm.sparse_mla_fwd(
         q, kv, i, D_QK**-0.5, num_splits=splits, config=cfg
     )
-    t_call = timed(call, sets, one_cta)
+    t_call = harness.timed(call, sets, one_cta)
     merge = tsm._sparse_mla_merge_kernel
     tsm._sparse_mla_merge_kernel = _NoMerge()
     try:
-        t_main = timed(call, sets, one_cta)
+        t_main = harness.timed(call, sets, one_cta)
         small = kv[:L2_ROWS]
         l2_sets = [(q, torch.remainder(i, L2_ROWS).to(torch.int32)) for q, i in sets]
-        t_l2 = timed(lambda q, i: call(q, i, small), l2_sets, one_cta)
+        t_l2 = harness.timed(lambda q, i: call(q, i, small), l2_sets, one_cta)
     finally:
         tsm._sparse_mla_merge_kernel = merge
     return t_call, t_main, t_l2
 
 
-def run_timings(heads):
-    import bench_sparse_mla as bench
-
+def run_timings(data, heads):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kv = torch.randn(bench.POOL, 1, D_QK, device="cuda", generator=gen).to(
+    kv = torch.randn(harness.POOL, 1, D_QK, device="cuda", generator=gen).to(
         torch.bfloat16
     )
-    copy_bw, _ = bench.ceilings()
+    copy_bw, _ = harness.ceilings()
+    data.figures["copy_tbps"] = copy_bw / 1e12
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     own_cap = torch.cuda.get_device_capability()
-    lines = [
-        f"Copy bandwidth in this run: {copy_bw / 1e12:.2f} TB/s (read + write). Copy-bound = the gathered bytes (s_q × 2048 × 576 × 2) at that rate. µs per call.",
-        "",
-        "| tables | h_q | s_q | config × splits | call | main | merge (call − main) | main, rows in L2 | gather floor (splits) | copy-bound | call ÷ floor |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
     for s_q in SQ_LIST:
-        floor_sets = bench.input_sets(s_q, 8, torch.bfloat16, gen, bench.n_rotate(s_q))
-        floor, f_splits = gather_floor(kv, floor_sets, s_q, bench.timed)
+        floor_sets = harness.input_sets(
+            s_q, 8, torch.bfloat16, gen, harness.n_rotate(s_q)
+        )
+        floor, f_splits = gather_floor(kv, floor_sets, s_q)
         copy_us = s_q * TOPK * D_QK * 2 / copy_bw * 1e6
         for name, (cap, one_cta) in TABLES.items():
             if one_cta and not available():
                 continue
             cap = cap or own_cap
             for h_q in heads:
-                sets = bench.input_sets(
-                    s_q, h_q, torch.bfloat16, gen, bench.n_rotate(s_q)
+                sets = harness.input_sets(
+                    s_q, h_q, torch.bfloat16, gen, harness.n_rotate(s_q)
                 )
                 cfg, splits = tsm.auto_config(
                     cap,
@@ -155,17 +155,30 @@ def run_timings(heads):
                     shared_per_sm(one_cta),
                 )
                 t_call, t_main, t_l2 = (
-                    t * 1e3
-                    for t in time_case(kv, sets, bench.timed, cfg, splits, one_cta)
+                    t * 1e3 for t in time_case(kv, sets, cfg, splits, one_cta)
                 )
-                label = f"{tuple(cfg)[:4]}{' hoist' if cfg.hoist else ''}{' gluon' if cfg.gluon else ''} × {splits}"
-                lines.append(
-                    f"| {name} | {h_q} | {s_q} | {label} | {t_call:.1f} | {t_main:.1f} | "
-                    f"{t_call - t_main:.1f} | {t_l2:.1f} | {floor * 1e3:.1f} ({f_splits}) | "
-                    f"{copy_us:.1f} | {t_call / (floor * 1e3):.2f} |"
+                inputs = {
+                    "tables": name,
+                    "h_q": h_q,
+                    "s_q": s_q,
+                    "config": list(cfg)[:4],
+                    "hoist": bool(cfg.hoist),
+                    "gluon": bool(cfg.gluon),
+                    "splits": splits,
+                }
+                data.row(
+                    "bounds",
+                    inputs,
+                    call_us=t_call,
+                    main_us=t_main,
+                    merge_us=t_call - t_main,
+                    l2_us=t_l2,
+                    floor_us=floor * 1e3,
+                    floor_splits=f_splits,
+                    copy_us=copy_us,
+                    x_floor=t_call / (floor * 1e3),
                 )
-                print(lines[-1], flush=True)
-    return lines
+                print(inputs, f"call {t_call:.1f} main {t_main:.1f} l2 {t_l2:.1f}", flush=True)
 
 
 def _run_tool(name, *args):
@@ -208,24 +221,27 @@ def loop_report(capability, cfg, path="decode"):
     return k.metadata.shared, regs, total, counts
 
 
-def run_sass():
-    ops = ("HMMA", "LDSM", "LDS", "STS", "BAR", "SHFL", "LDGSTS")
-    lines = [
-        "| target | config | shared B | registers | instructions per iteration | "
-        + " | ".join(ops)
-        + " |",
-        "|---|---|---:|---:|---:|" + "---:|" * len(ops),
-    ]
+SASS_OPS = ("HMMA", "LDSM", "LDS", "STS", "BAR", "SHFL", "LDGSTS")
+
+
+def run_sass(data):
     for cc, path in (((9, 0), "decode"), ((12, 0), "decode"), ((12, 0), "prefill")):
         cfg = tsm.get_config(cc, 16, torch.bfloat16, path)
         shared, regs, total, counts = loop_report(cc, cfg, path)
-        lines.append(
-            f"| sm_{cc[0]}{cc[1]} | {path} {tuple(cfg)[:4]}{' hoist' if cfg.hoist else ''} | {shared} | {regs} | {total} | "
-            + " | ".join(str(counts.get(o, 0)) for o in ops)
-            + " |"
+        data.row(
+            "sass",
+            {
+                "target": f"sm_{cc[0]}{cc[1]}",
+                "path": path,
+                "config": list(cfg)[:4],
+                "hoist": bool(cfg.hoist),
+            },
+            shared_bytes=shared,
+            registers=regs,
+            instructions=total,
+            counts={o: counts.get(o, 0) for o in SASS_OPS},
         )
-        print(lines[-1], flush=True)
-    return lines
+        print(cc, path, tuple(cfg), shared, regs, total, counts, flush=True)
 
 
 def main():
@@ -237,20 +253,31 @@ def main():
     ap.add_argument(
         "--no-timings", action="store_true", help="only the compiler report"
     )
-    ap.add_argument("--out", default=None, help="markdown output")
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="results root (default bench/results); data go to <root>/<card>/sparse_mla_decode_bounds.jsonl",
+    )
+    ap.add_argument(
+        "--card", default=None, help="device name for the results folder (default: the GPU's)"
+    )
     args = ap.parse_args()
-    lines = []
+    if not args.no_timings and not torch.cuda.is_available():
+        raise SystemExit(
+            "error: the timings need a CUDA GPU (--no-timings --sass runs without one)"
+        )
+    env = environment()
+    card = args.card or env.get("card")
+    if card is None:
+        raise SystemExit("error: no GPU here to name the results folder: pass --card")
+    env.setdefault("card", card)
+    data = BenchData("sparse_mla_decode_bounds", env)
     if not args.no_timings:
-        if not torch.cuda.is_available():
-            raise SystemExit(
-                "error: the timings need a CUDA GPU (--no-timings --sass runs without one)"
-            )
-        lines += run_timings(args.heads)
+        run_timings(data, args.heads)
     if args.sass or args.no_timings:
-        lines += ["", *run_sass()]
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        run_sass(data)
+    path = data.write(results_dir(card, args.results))
+    print(f"wrote {path}; render with: python bench/render.py", flush=True)
 
 
 if __name__ == "__main__":

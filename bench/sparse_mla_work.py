@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The sparse MLA problem that bench_sparse_mla.py times and plot_sparse_mla.py
-draws: its geometry and the work of one call (no torch, so the plot runs
-with matplotlib alone)."""
+"""The sparse MLA problem that bench_sparse_mla.py times and render.py
+plots: its geometry and the work of one call (no torch, so the renderer
+runs without it)."""
 
 D_QK, D_V, TOPK = 576, 512, 2048
 

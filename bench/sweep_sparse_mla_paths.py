@@ -6,9 +6,10 @@ choice itself (bf16, GLM-5 shapes, topk 2048).
 
 For each (h_q, s_q): the table's prefill config in one pass, and its decode
 config over topk in 1, 2, 4, ... splits (up to three waves of CTAs), then
-``sparse_mla_fwd``'s own choice (``auto_config``). Prints a markdown table
-(choice, fastest option, ratio) and appends every timing as JSON lines, the
-data ``auto_config``'s cost model was fitted to.
+``sparse_mla_fwd``'s own choice (``auto_config``). Writes every timing
+(the data ``auto_config``'s cost model was fitted to), the choice, the
+fastest option and their ratio to bench/results/<card>/sparse_mla_paths.jsonl
+(or under --results); bench/render.py renders the table.
 
 Modes (``--modes``):
 - ``sm90``: the Hopper tables on this GPU;
@@ -18,20 +19,18 @@ Modes (``--modes``):
   with 116 KB of dynamic shared memory (it uses <= 99 KB), which a 228 KB
   SM fits once; this patches Triton 3.6's compiled-kernel launch metadata.
 
-    python bench/sweep_sparse_mla_paths.py --modes sm12-1cta sm12 sm90 \
-        --out paths.md --jsonl paths.jsonl
+    python bench/sweep_sparse_mla_paths.py --modes sm12-1cta sm12 sm90
 """
 
-# Long lines are markdown table text; the lambdas handed to timed() are
-# called before the loop moves on.
-# ruff: noqa: E501, B023
+# The lambdas handed to timed() are called before the loop moves on.
+# ruff: noqa: B023
 import argparse
-import json
 import math
 
 import torch
 import triton
-from bench_sparse_mla import POOL, SCALE, input_sets, n_rotate, timed
+from benchdata import BenchData, environment, results_dir
+from harness import POOL, SCALE, input_sets, n_rotate, timed
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
@@ -80,25 +79,24 @@ def main():
         type=int,
         default=SQ_LIST,
     )
-    ap.add_argument("--out", default=None, help="markdown summary")
-    ap.add_argument("--jsonl", default=None, help="append every timing here")
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="results root (default bench/results); data go to <root>/<card>/sparse_mla_paths.jsonl",
+    )
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_sparse_mla_paths: needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
+    env = environment()
+    data = BenchData("sparse_mla_paths", env)
     gen = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(POOL, 1, D_QK, device="cuda", generator=gen).to(torch.bfloat16)
-    lines = []
     for mode in args.modes:
         cap, one_cta = MODES[mode]
         if one_cta and not available():
             raise SystemExit("sm12-1cta: this GPU or Triton cannot pin one CTA per SM")
         shared = shared_per_sm(one_cta)
-        lines += [
-            "",
-            f"**{mode}** ({cap[0]}.{cap[1]} tables, {props.multi_processor_count} SMs, {shared} B of shared memory per SM as auto_config sees it)",
-            "",
-            "| h_q | s_q | choice | µs | fastest | µs | choice / fastest |",
-            "|---:|---:|---|---:|---|---:|---:|",
-        ]
         ratios = []
         for h_q in args.heads:
             for s_q in args.sq:
@@ -129,30 +127,29 @@ def main():
                 pick = label(cap, h_q, cfg, ns)
                 best = min(times, key=times.get)
                 ratios.append(times[pick] / times[best])
-                lines.append(
-                    f"| {h_q} | {s_q} | {pick} | {times[pick]:.1f} | {best} | {times[best]:.1f} | {ratios[-1]:.2f} |"
+                data.row(
+                    "paths",
+                    {"mode": mode, "h_q": h_q, "s_q": s_q},
+                    choice=pick,
+                    choice_us=times[pick],
+                    fastest=best,
+                    fastest_us=times[best],
+                    ratio=ratios[-1],
+                    times_us=times,
                 )
-                print(mode, lines[-1], flush=True)
-                if args.jsonl:
-                    with open(args.jsonl, "a") as f:
-                        rec = {
-                            "mode": mode,
-                            "h_q": h_q,
-                            "s_q": s_q,
-                            "choice": pick,
-                            "times_us": times,
-                        }
-                        f.write(json.dumps(rec) + "\n")
+                print(mode, h_q, s_q, pick, f"{times[pick]:.1f}", best, f"{times[best]:.1f}", flush=True)
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        lines.append("")
-        lines.append(
-            f"{mode}: choice / fastest option, geometric mean {geo:.3f}, worst {max(ratios):.2f}, "
-            f"within 5 % in {sum(r <= 1.05 for r in ratios)} of {len(ratios)} cases."
+        data.row(
+            "modes",
+            {"mode": mode, "tables": f"{cap[0]}.{cap[1]}", "sms": props.multi_processor_count, "shared_per_sm": shared},
+            geo_mean=geo,
+            worst=max(ratios),
+            within_5pct=sum(r <= 1.05 for r in ratios),
+            cases=len(ratios),
         )
-        print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        print(f"{mode}: geometric mean {geo:.3f}, worst {max(ratios):.2f}", flush=True)
+    path = data.write(results_dir(env["card"], args.results))
+    print(f"wrote {path}; render with: python bench/render.py", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ there. Both top-k calls use the module's torch fallback of
 
 FlashMLA is found through FLASHMLA_SO (path of ``_flashmla_C.abi3.so``) or
 ``vllm._flashmla_C``; DeepGEMM as ``deep_gemm`` or
-``vllm.third_party.deep_gemm``. Set SPARSE_E2E_JSON to a file to get the
+``vllm.third_party.deep_gemm`` (tests/support/peers.py). Set SPARSE_E2E_JSON to a file to get the
 measured errors, agreement counts and timings appended as JSON lines.
 
 ``test_chain_small`` runs the same chain at small sizes (Triton interpreter
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import triton
-from flashmla_sparse import load_flashmla_sparse
+from support.peers import load_deep_gemm, load_flashmla_sparse
+from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 from vllm.v1.attention.ops.triton_sparse_mla import req_topk_to_slots, sparse_mla_fwd
 
@@ -335,21 +336,6 @@ def flashmla_op():
     return run, None
 
 
-def deep_gemm():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (
-        9,
-        10,
-    ):
-        return None, "DeepGEMM MQA logits run on SM90/SM100 only"
-    errs = []
-    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-        try:
-            return __import__(name, fromlist=["fp8_fp4_mqa_logits"]), None
-        except (ImportError, OSError, RuntimeError) as e:  # or its .so failing
-            errs.append(f"{name}: {e!r}")
-    return None, "DeepGEMM not importable: " + "; ".join(errs)
-
-
 # ---------------------------------------------------------------------------
 # References and comparisons
 # ---------------------------------------------------------------------------
@@ -425,25 +411,9 @@ def topk_disagreement(c, sel_a, sel_b, ref, logit_sets) -> tuple[int, int]:
 
 def ref_attention(q, kv, slots):
     """fp64 (out, lse) over the given slots; -1 slots are skipped."""
-    t = q.shape[0]
-    rows_all = kv[:, 0]
-    n = rows_all.shape[0]
     chunk = max(1, (1 << 27) // (slots.shape[1] * D_QK))
-    outs, lses = [], []
-    for t0 in range(0, t, chunk):
-        idx = slots[t0 : t0 + chunk].long()
-        valid = (idx >= 0) & (idx < n)
-        rows = rows_all[idx.clamp(0, n - 1)].double()  # [c, topk, 576]
-        s = torch.einsum("chd,ckd->chk", q[t0 : t0 + chunk].double(), rows) * SM_SCALE
-        s = s.masked_fill(~valid[:, None, :], float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)
-        l_ = p.sum(-1, keepdim=True)
-        o = torch.einsum("chk,ckd->chd", p, rows[..., :D_V]) / l_.clamp_min(1e-300)
-        outs.append(o)
-        lses.append((m + torch.log(l_)).squeeze(-1))
-    return torch.cat(outs), torch.cat(lses)
+    out, _, lse = ref_sparse_mla(q, kv, slots[:, None], SM_SCALE, D_V, chunk)
+    return out, lse
 
 
 def record(**info) -> None:
@@ -600,7 +570,7 @@ def test_glm5_indexer_topk_vs_fp64(glm5):
 
 @pytest.mark.gpu
 def test_glm5_indexer_topk_vs_deepgemm(glm5):
-    dg, why = deep_gemm()
+    dg, why = load_deep_gemm()
     if dg is None:
         pytest.skip(why)
     c = glm5
@@ -648,7 +618,7 @@ def test_glm5_sparse_path_vs_fp64(glm5, dtype, h_q):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q", [64, 8], ids=["tp1", "tp8"])
 def test_glm5_sparse_path_vs_deepgemm_flashmla(glm5, h_q):
-    dg, why = deep_gemm()
+    dg, why = load_deep_gemm()
     if dg is None:
         pytest.skip(why)
     flash, why = flashmla_op()

@@ -14,22 +14,13 @@ import os
 import pytest
 import torch
 import triton
+from support.indexer_ref import ref_logits
+from support.peers import load_deep_gemm
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 
 SM120_SMEM_LIMIT = 101_376
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-
-# ---------------------------------------------------------------------------
-# References (fp64, written independently of the kernels)
-# ---------------------------------------------------------------------------
-
-
-def ref_logits(q8, k8, k_scale, w):
-    """[T, S] fp64: sum_h w * relu(q . k) * k_scale, no masking."""
-    s = torch.einsum("thd,sd->ths", q8.double(), k8.double()).clamp_min(0)
-    return (s * w.double()[:, :, None]).sum(1) * k_scale.double()[None, :]
-
 
 def window_mask(starts, ends, n):
     col = torch.arange(n, device=starts.device)
@@ -398,18 +389,6 @@ def test_aot_shared_memory(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def _deep_gemm():
-    """DeepGEMM as vLLM imports it, if it can run on this GPU."""
-    if torch.cuda.get_device_capability()[0] not in (9, 10):
-        return None
-    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-        try:
-            return __import__(name, fromlist=["fp8_mqa_logits"])
-        except Exception:
-            continue
-    return None
-
-
 def _gpu_tol(upcast: bool) -> float:
     """The fp8 MMA of Hopper (and DeepGEMM with it) accumulates with fewer
     bits than fp32: ~1.2e-4 relative, measured on an H200. The fp8->fp16
@@ -441,7 +420,7 @@ def test_gpu_mqa_logits_vs_reference(t, s, upcast):
         m = mask[r0 : r0 + 256]
         assert rel_err(out[r0 : r0 + 256][m], ref[m]) < _gpu_tol(upcast)
         assert torch.equal(torch.isneginf(out[r0 : r0 + 256]), ~m)
-    dg = _deep_gemm()
+    dg, _ = load_deep_gemm()
     if dg is not None and not upcast:
         ref_dg = dg.fp8_mqa_logits(q, (k8, k_scale), w, ks, ke, clean_logits=True)
         assert rel_err(out[mask], ref_dg[:, :s][mask].double()) < 1e-5

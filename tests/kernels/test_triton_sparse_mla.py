@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from flashmla_sparse import load_flashmla_sparse
+from support.peers import load_flashmla_sparse
+from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SM90_MAX_SHARED_BYTES,
     SM120_MAX_SHARED_BYTES,
@@ -38,34 +39,6 @@ D_QK, D_V = 576, 512
 SCALE = D_QK**-0.5
 # ||out - ref|| / ||ref|| bounds; the interpreter computes fp32 dots exactly.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-# ---------------------------------------------------------------------------
-# Reference (fp64, written independently of the kernel)
-# ---------------------------------------------------------------------------
-
-
-def ref_sparse_mla(q, kv, indices, sm_scale, d_v=D_V, chunk=64):
-    """fp64 (out, max_logits, lse); rows without a valid index give
-    out 0, max_logits -inf, lse +inf."""
-    s_q = q.shape[0]
-    rows_all = kv[:, 0]
-    s_kv = rows_all.shape[0]
-    outs, maxes, lses = [], [], []
-    for c0 in range(0, s_q, chunk):
-        idx = indices[c0 : c0 + chunk, 0].long()
-        valid = (idx >= 0) & (idx < s_kv)
-        rows = rows_all[idx.clamp(0, s_kv - 1)].double()  # [c, topk, d_qk]
-        logits = torch.einsum("chd,ctd->cht", q[c0 : c0 + chunk].double(), rows)
-        logits = logits * sm_scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        has = valid.any(-1)[:, None].expand(logits.shape[:2])
-        lse = torch.logsumexp(logits, -1)
-        p = torch.exp(logits - torch.where(has, lse, 0.0)[..., None])
-        outs.append(torch.einsum("cht,ctd->chd", p, rows[..., :d_v]))
-        maxes.append(logits.amax(-1))
-        lses.append(torch.where(has, lse, float("inf")))
-    return torch.cat(outs), torch.cat(maxes), torch.cat(lses)
 
 
 def rel_err(x, ref):
@@ -210,7 +183,7 @@ def test_split_choice_bounds():
 
 
 def test_split_choice_counts_resident_ctas():
-    """Cases timed on H200 (bench/results/sparse_mla_h200.md, path sweep):
+    """Cases timed on H200 (bench/results/nvidia-h200/sparse_mla_paths.md, path sweep):
     the choice fills whole waves of the CTAs an SM holds at once."""
     cap, dt = (12, 0), torch.bfloat16
     decode = get_config(cap, 64, dt, "decode")

@@ -1,0 +1,450 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Render the benchmark data into the documents next to it.
+
+Every ``bench/results/<card>/<bench>.jsonl`` (written by a bench script,
+see bench/benchdata.py) becomes that folder's markdown tables and, for
+sparse MLA, the PNG plot. Only these files are written; analysis lives in
+docs/performance.md, which no tool touches. Rendering is deterministic:
+the same data give the same bytes (the PNG with matplotlib's Agg backend,
+its default style and no timestamp; the pinned matplotlib of
+tests/requirements.txt).
+
+    python bench/render.py                 # render every card's data
+    python bench/render.py --check         # exit 1 where a file differs
+    python bench/render.py --results DIR   # another results root
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from benchdata import RESULTS, read
+from sparse_mla_work import work
+
+DOCS = "../../../docs/performance.md"  # from bench/results/<card>/
+
+
+def fmt(value, spec: str = "") -> str:
+    """A table cell: empty for a figure that was not measured."""
+    return "" if value is None else format(value, spec)
+
+
+def table(head: list[str], align: str, rows: list[list[str]]) -> list[str]:
+    """Markdown table; ``align`` has one letter per column, l or r."""
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return [
+        "| " + " | ".join(head) + " |",
+        rule,
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def header(run: dict) -> list[str]:
+    env = run["env"]
+    g = lambda k: env.get(k, "?")  # noqa: E731
+    lines = [
+        f"Date: {g('date_utc')} UTC. Card: {g('card')} ({g('sms')} SMs, capability "
+        f"{g('capability')}), driver {g('driver')}, torch {g('torch')}, triton "
+        f"{g('triton')}. Series {g('series')}, repo commit {g('commit')}. "
+        f"Command: `{g('command')}`.",
+    ]
+    for note in run.get("notes", []):
+        lines += ["", note]
+    return lines
+
+
+def footer(bench: str) -> list[str]:
+    return [
+        "",
+        f"Rendered by bench/render.py from `{bench}.jsonl`; analysis and what "
+        f"was tried: [docs/performance.md]({DOCS}).",
+    ]
+
+
+def rows_of(rows: list[dict], name: str) -> list[tuple[dict, dict]]:
+    return [(r["inputs"], r["figures"]) for r in rows if r["table"] == name]
+
+
+def cfg_text(cfg) -> str:
+    return "auto" if isinstance(cfg, str) else "(" + ", ".join(map(repr, cfg)) + ")"
+
+
+# ---------------------------------------------------------------------------
+# Sparse MLA (bench_sparse_mla.py)
+# ---------------------------------------------------------------------------
+
+SPARSE_MLA_ABOUT = (
+    "topk 2048, d_qk 576, d_v 512, kv pool 262,144 rows, unique random indices per token. "
+    "`triton`: this GPU's tables, config and split count as sparse_mla_fwd's auto_config "
+    "picks them for this GPU (with --sweep, the prefill configs are the sweep's picks, see "
+    "below); `triton-sm120cfg`: the SM120/SM121 tables, picked the same way for this GPU's "
+    "SMs, run here; `triton-sm120-1cta`: the same with one CTA per SM, as on SM120 (emulated: "
+    "launched with 116 KB of dynamic shared memory, auto_config told 100 KB per SM; see "
+    "bench/sm120_occupancy.py); `triton-nogluon` (SM90 "
+    "only, rows where it differs): the Triton kernel with the configs SM100 uses, i.e. without the "
+    "Hopper Gluon kernels; `flashmla`: "
+    "_flashmla_C.sparse_prefill_fwd from the pinned wheel, bf16 only, h_q padded to 64 "
+    "(as vLLM pads). × FlashMLA speed = FlashMLA time / this time. Times per call from CUDA-graph "
+    "replays over rotated inputs (no host launch overhead; see bench/harness.py)."
+)
+
+
+def sparse_mla_md(run: dict, rows: list[dict]) -> str:
+    f = run["figures"]
+    out = ["# Sparse MLA timings", "", *header(run), ""]
+    if "copy_tbps" in f:
+        out += [
+            f"Ceilings measured in this run: copy {f['copy_tbps']:.2f} TB/s (read+write), "
+            f"bf16 matmul {f['matmul_tflops']:.0f} TFLOP/s.",
+            "",
+        ]
+    out += [SPARSE_MLA_ABOUT, ""]
+    out += table(
+        ["dtype", "h_q", "s_q", "kernel", "µs", "TFLOP/s", "gathered TB/s",
+         "× roofline", "× FlashMLA speed"],
+        "lrrlrrrrr",
+        [
+            [i["dtype"], str(i["h_q"]), str(i["s_q"]), i["kernel"], fmt(m["us"], ".1f"),
+             fmt(m["tflops"], ".1f"), fmt(m["gathered_tbps"], ".2f"),
+             fmt(m["x_roofline"], ".2f"), fmt(m["x_flashmla"], ".2f")]
+            for i, m in rows_of(rows, "timings")
+        ],
+    )  # fmt: skip
+    sweep = rows_of(rows, "sweep")
+    if sweep:
+        out += ["", "## Config sweep (bf16)", ""]
+        out += table(
+            ["case", "config (block_h, block_n, warps, stages, hoist, gluon)", "num_splits", "µs"],
+            "llrr",
+            [[i["case"], cfg_text(i["config"]), str(i["num_splits"]), fmt(m["us"], ".1f")]
+             for i, m in sweep],
+        )  # fmt: skip
+    if "sweep_picks" in f:
+        out += ["", f"Picked prefill configs (used for the tables above): {json.dumps(f['sweep_picks'])}"]
+    checks = rows_of(rows, "pick_check")
+    if checks:
+        out += [""] + table(
+            ["pick", "case", "rel err vs fp64", ""],
+            "llrl",
+            [[f"{i['pick']} {cfg_text(i['config'])}", f"{i['dtype']} h{i['h_q']}",
+              fmt(m["rel_err"], ".2e"), "ok" if m["ok"] else "FAIL"] for i, m in checks],
+        )  # fmt: skip
+    if "prefill_picks" in f:
+        out += ["", f"Prefill configs timed instead of the tables': {json.dumps(f['prefill_picks'])}"]
+    return "\n".join(out + footer("sparse_mla")) + "\n"
+
+
+def sparse_mla_accuracy_md(run: dict, rows: list[dict]) -> str:
+    out = ["# Sparse MLA accuracy vs fp64 reference", "", *header(run), ""]
+    out += [
+        "topk 2048, s_kv 65536, unique random indices, sm_scale 576^-0.5; rel err = "
+        "||out - ref|| / ||ref||; lse error in natural-log units.",
+        "",
+    ]
+    out += table(
+        ["dtype", "h_q", "s_q", "path", "triton rel err", "triton max abs lse err",
+         "FlashMLA rel err"],
+        "lrrlrrr",
+        [[i["dtype"], str(i["h_q"]), str(i["s_q"]), i["path"], fmt(m["rel_err"], ".2e"),
+          fmt(m["lse_max_abs_err"], ".1e"), fmt(m["flashmla_rel_err"], ".2e")]
+         for i, m in rows_of(rows, "accuracy")],
+    )  # fmt: skip
+    if "empty_row_probe" in run["figures"]:
+        out += ["", run["figures"]["empty_row_probe"]]
+    return "\n".join(out + footer("sparse_mla")) + "\n"
+
+
+def sparse_mla_png(run: dict, rows: list[dict], dtype: str = "bf16") -> bytes:
+    """Gathered-bytes throughput against s_q, one panel per head count, one
+    line per kernel, with the roofline of the same run drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for i, m in rows_of(rows, "timings"):
+        if i["dtype"] == dtype:
+            points[i["h_q"]][i["kernel"]].append((i["s_q"], m["gathered_tbps"]))
+    if not points:
+        raise ValueError(f"sparse_mla: no {dtype} timings to plot")
+    copy_bw = run["figures"]["copy_tbps"] * 1e12
+    mm_rate = run["figures"]["matmul_tflops"] * 1e12
+
+    def roof(h_q: int, s_q: int) -> float:
+        flops, nbytes = work(s_q, h_q, elt=2)
+        return nbytes / max(nbytes / copy_bw, flops / mm_rate) / 1e12
+
+    heads = sorted(points)
+    kernels = sorted({k for by_kernel in points.values() for k in by_kernel})
+    colors = {k: f"C{n}" for n, k in enumerate(kernels)}  # same colour in every panel
+    with matplotlib.rc_context():
+        matplotlib.rcdefaults()  # no user style: the same bytes everywhere
+        fig, axes = plt.subplots(1, len(heads), figsize=(4 * len(heads), 3.8), sharey=True)
+        axes = axes if len(heads) > 1 else [axes]
+        for ax, h_q in zip(axes, heads, strict=True):
+            s_qs = set()
+            for kernel, pts in sorted(points[h_q].items()):
+                pts.sort()
+                s_qs.update(p[0] for p in pts)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                        label=kernel, color=colors[kernel])  # fmt: skip
+            xs = sorted(s_qs)
+            ax.plot(xs, [roof(h_q, x) for x in xs], "k--", lw=1, label="roofline")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"h_q = {h_q}")
+            ax.set_xlabel("s_q (tokens)")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("gathered KV TB/s")
+        axes[-1].legend(fontsize=8, loc="lower right")
+        env = run["env"]
+        fig.suptitle(
+            f"Sparse MLA, topk 2048, {dtype} — {env.get('card', '?')}, "
+            f"{env.get('date_utc', '?')} UTC",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+        plt.close(fig)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------
+# Sparse MLA path choice (sweep_sparse_mla_paths.py)
+# ---------------------------------------------------------------------------
+
+
+def sparse_mla_paths_md(run: dict, rows: list[dict]) -> str:
+    out = ["# Sparse MLA: the automatic path and split choice against every option", ""]
+    out += [*header(run), ""]
+    out += [
+        "bf16, topk 2048, GLM-5 shapes, times per call from CUDA-graph replays over "
+        "rotated inputs. For each (h_q, s_q): the table's prefill config in one pass and "
+        "its decode config over topk in 1, 2, 4, … splits (`decode/1`: the decode config "
+        "in one pass), then the one `auto_config` picks. Every option's time is in the data."
+    ]
+    paths = rows_of(rows, "paths")
+    for mi, mf in rows_of(rows, "modes"):
+        mode = mi["mode"]
+        out += [
+            "",
+            f"**{mode}** ({mi['tables']} tables, {mi['sms']} SMs, {mi['shared_per_sm']} B "
+            "of shared memory per SM as auto_config sees it)",
+            "",
+        ]
+        out += table(
+            ["h_q", "s_q", "choice", "µs", "fastest", "µs", "choice / fastest"],
+            "rrlrlrr",
+            [[str(i["h_q"]), str(i["s_q"]), m["choice"], fmt(m["choice_us"], ".1f"),
+              m["fastest"], fmt(m["fastest_us"], ".1f"), fmt(m["ratio"], ".2f")]
+             for i, m in paths if i["mode"] == mode],
+        )  # fmt: skip
+        out += [
+            "",
+            f"{mode}: choice / fastest option, geometric mean {mf['geo_mean']:.3f}, worst "
+            f"{mf['worst']:.2f}, within 5 % in {mf['within_5pct']} of {mf['cases']} cases.",
+        ]
+    return "\n".join(out + footer("sparse_mla_paths")) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Few-token bounds (sparse_mla_decode_bounds.py)
+# ---------------------------------------------------------------------------
+
+
+def sparse_mla_decode_bounds_md(run: dict, rows: list[dict]) -> str:
+    out = ["# Sparse MLA with few tokens: where the time goes", "", *header(run)]
+    bounds = rows_of(rows, "bounds")
+    if bounds:
+        out += [
+            "",
+            f"Copy bandwidth in this run: {run['figures']['copy_tbps']:.2f} TB/s (read + "
+            "write). Copy-bound = the gathered bytes (s_q × 2048 × 576 × 2) at that rate. "
+            "µs per call.",
+            "",
+        ]
+
+        def label(i: dict) -> str:
+            flags = (" hoist" if i["hoist"] else "") + (" gluon" if i["gluon"] else "")
+            return f"{cfg_text(i['config'])}{flags} × {i['splits']}"
+
+        out += table(
+            ["tables", "h_q", "s_q", "config × splits", "call", "main", "merge (call − main)",
+             "main, rows in L2", "gather floor (splits)", "copy-bound", "call ÷ floor"],
+            "lrrlrrrrrrr",
+            [[i["tables"], str(i["h_q"]), str(i["s_q"]), label(i), fmt(m["call_us"], ".1f"),
+              fmt(m["main_us"], ".1f"), fmt(m["merge_us"], ".1f"), fmt(m["l2_us"], ".1f"),
+              f"{m['floor_us']:.1f} ({m['floor_splits']})", fmt(m["copy_us"], ".1f"),
+              fmt(m["x_floor"], ".2f")] for i, m in bounds],
+        )  # fmt: skip
+    sass = rows_of(rows, "sass")
+    if sass:
+        ops = list(sass[0][1]["counts"])
+        out += [
+            "",
+            "## Compiler report",
+            "",
+            "Per loop iteration (one block of rows), one warp, 16-head block:",
+            "",
+        ]
+        out += table(
+            ["target", "config", "shared B", "registers", "instructions per iteration", *ops],
+            "llrrr" + "r" * len(ops),
+            [[i["target"], f"{i['path']} {cfg_text(i['config'])}{' hoist' if i['hoist'] else ''}",
+              str(m["shared_bytes"]), str(m["registers"]), str(m["instructions"]),
+              *(str(m["counts"][o]) for o in ops)] for i, m in sass],
+        )  # fmt: skip
+    return "\n".join(out + footer("sparse_mla_decode_bounds")) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# DSA indexer (bench_dsa_indexer.py)
+# ---------------------------------------------------------------------------
+
+
+def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
+    out = ["# DSA indexer: Triton vs DeepGEMM", "", *header(run)]
+    if "deep_gemm" in run["figures"]:
+        out += ["", f"DeepGEMM: {run['figures']['deep_gemm']}."]
+    checks = rows_of(rows, "checks")
+    if checks:
+        n_ok = sum(m["ok"] for _, m in checks)
+        out += ["", f"## Checks ({n_ok} of {len(checks)} pass)", ""]
+        out += table(
+            ["check", "result", "figures"],
+            "lll",
+            [[i["name"], "ok" if m["ok"] else "FAIL",
+              json.dumps({k: v for k, v in m.items() if k != "ok"}, sort_keys=True)]
+             for i, m in checks],
+        )  # fmt: skip
+    timings = rows_of(rows, "timings")
+    if timings:
+        out += [
+            "",
+            "## Timings (median ms)",
+            "",
+            "TFLOP/s counts 2 * 32 * 128 per (token, key) pair inside the windows; TB/s counts "
+            "the cache bytes of the context (132 per token) only. DeepGEMM's decode time "
+            "excludes its schedule-metadata kernel.",
+            "",
+        ]
+
+        def case(i: dict, m: dict) -> str:
+            if i["kind"] == "prefill":
+                return f"prefill T={i['T']} S={i['S']} reqs={i['reqs']}"
+            return (f"decode B={i['B']} next_n={i['next_n']} max_len={i['max_len']}, "
+                    f"mean ctx {m['mean_ctx']:,.0f}")  # fmt: skip
+
+        def rate(m: dict) -> str:
+            if m.get("triton_tflops") is not None:
+                return f"{m['triton_tflops']:.0f} TFLOP/s"
+            if m.get("triton_kv_TBps") is not None:
+                return f"{m['triton_kv_TBps']:.2f} TB/s"
+            return ""
+
+        out += table(
+            ["case", "Triton", "Triton in a CUDA graph", "DeepGEMM", "DeepGEMM / Triton",
+             "Triton rate", "torch top-k fallback"],
+            "lrrrrrr",
+            [[case(i, m), fmt(m.get("triton_ms"), ".4g"), fmt(m.get("triton_graph_ms"), ".4g"),
+              fmt(m.get("deepgemm_ms"), ".4g"), fmt(m.get("ratio_dg_over_triton"), ".2f"),
+              rate(m), fmt(m.get("fallback_topk_ms"), ".4g")] for i, m in timings],
+        )  # fmt: skip
+    sweep = rows_of(rows, "sweep")
+    if sweep:
+        out += ["", "## Tile sweep (ms; each config's logits checked against the default's)", ""]
+        out += table(
+            ["kind", "shape", "config", "ms", "ok", "rel vs default", "error"],
+            "lllrlrl",
+            [[i["kind"], fmt(i.get("shape")), json.dumps(i["config"], sort_keys=True),
+              fmt(m.get("ms"), ".4g"), fmt(m.get("ok")), fmt(m.get("rel_vs_default"), ".1e"),
+              m.get("error", "")] for i, m in sweep],
+        )  # fmt: skip
+    return "\n".join(out + footer("dsa_indexer")) + "\n"
+
+
+# bench -> {file name: renderer}
+RENDERERS = {
+    "sparse_mla": {
+        "sparse_mla.md": sparse_mla_md,
+        "sparse_mla_accuracy.md": sparse_mla_accuracy_md,
+        "sparse_mla.png": sparse_mla_png,
+    },
+    "sparse_mla_paths": {"sparse_mla_paths.md": sparse_mla_paths_md},
+    "sparse_mla_decode_bounds": {"sparse_mla_decode_bounds.md": sparse_mla_decode_bounds_md},
+    "dsa_indexer": {"dsa_indexer.md": dsa_indexer_md},
+}
+
+
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def render_all(root: Path, check: bool, png: bool) -> list[str]:
+    """Render (or with ``check`` compare) every card's data under ``root``.
+    Returns the problems found (check) or an empty list."""
+    problems = []
+    sources = sorted(root.glob("*/*.jsonl"))
+    if not sources:
+        problems.append(f"{root}: no <card>/<bench>.jsonl files")
+    for src in sources:
+        bench = src.stem
+        if bench not in RENDERERS:
+            problems.append(f"{src}: unknown bench {bench!r} (known: {sorted(RENDERERS)})")
+            continue
+        run, rows = read(src)
+        if run.get("bench") != bench:
+            problems.append(f"{src}: run record names bench {run.get('bench')!r}, file {bench!r}")
+            continue
+        for name, fn in RENDERERS[bench].items():
+            target = src.parent / name
+            if name.endswith(".png"):
+                if not png:
+                    print(f"skipped {target} (matplotlib not installed or --no-png)")
+                    continue
+                if not any(r["table"] == "timings" for r in rows):
+                    continue
+                content = fn(run, rows)
+            else:
+                content = fn(run, rows).encode("utf-8")
+            if check:
+                if not target.exists():
+                    problems.append(f"{target}: missing (render it: python bench/render.py)")
+                elif target.read_bytes() != content:
+                    problems.append(f"{target}: differs from what {src.name} renders")
+            elif not target.exists() or target.read_bytes() != content:
+                target.write_bytes(content)
+                print(f"wrote {target}")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")
+    ap.add_argument("--check", action="store_true", help="compare, write nothing; exit 1 on a difference")
+    ap.add_argument("--no-png", action="store_true", help="leave the plots out")
+    args = ap.parse_args()
+    png = not args.no_png and has_matplotlib()
+    if not png and not args.no_png:
+        print("note: matplotlib is not installed: plots not rendered "
+              "(pip install -r tests/requirements.txt)", file=sys.stderr)  # fmt: skip
+    problems = render_all(args.results, args.check, png)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
