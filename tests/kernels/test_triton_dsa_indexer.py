@@ -430,7 +430,7 @@ def _paged_args(case):
 
 PAGED_BAD = {
     "kv_cache_dtype": (TypeError, ["kv_cache", "torch.uint8", "torch.int8"]),
-    "kv_cache_width": (ValueError, ["kv_cache", "68", "(7, 16, 64)"]),
+    "kv_cache_width": (ValueError, ["kv_cache", "68", "(9, 16, 64)"]),
     "weights_shape": (ValueError, ["weights", "[2, 4]", "(1, 4)"]),
     "context_lens_shape": (ValueError, ["context_lens", "[2]", "(1,)"]),
     "context_lens_dtype": (TypeError, ["context_lens", "torch.int32", "torch.int64"]),
