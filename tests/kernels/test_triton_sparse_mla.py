@@ -6,9 +6,10 @@ CPU: the kernels run under TRITON_INTERPRET=1 at small sizes (d_qk/d_v stay
 576/512, the real geometry) in fp16 -- Triton 3.6's interpreter gets bf16
 dots wrong, so bf16 is checked on a GPU. Bad arguments must raise
 ValueError/TypeError naming the argument, also under ``python -O``. Every
-config the kernel can choose on 12.0/12.1 is AOT-compiled (tests/support/aot.py) for sm_120/sm_121 and must fit
-101,376 B of shared memory; 8.0, 8.9, 9.0 (the two Hopper Gluon kernels,
-within 232,448 B) and 10.0 must compile.
+config the kernel can choose on 12.0/12.1 is AOT-compiled
+(tests/support/aot.py) for sm_120/sm_121 and must fit 101,376 B of shared
+memory; 8.0, 8.9, 9.0 (the two Hopper Gluon kernels, within 232,448 B) and
+10.0 must compile.
 GPU (``-m gpu``): GLM-5 shapes, fp16 and bf16, the SM120 configs forced on
 whatever GPU runs them, and FlashMLA sparse side by side where it loads.
 """

@@ -54,9 +54,9 @@ def compile_for(kernel: AotKernel, capability: tuple[int, int]):
     # In the kernel's argument order: attributes are keyed by position.
     names = [n for n in kernel.fn.arg_names if n in kernel.signature]
     if set(names) != set(kernel.signature):
+        unknown = sorted(set(kernel.signature) - set(names))
         raise ValueError(
-            f"{kernel.name}: signature names {sorted(set(kernel.signature) - set(names))}"
-            f" are not arguments of {kernel.fn.__name__}"
+            f"{kernel.name}: {unknown} are not arguments of {kernel.fn.__name__}"
         )
     signature = {n: kernel.signature[n] for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in kernel.aligned}
