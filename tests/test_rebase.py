@@ -354,8 +354,12 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0004": (rb.OFFSETS, ""),
     # 0.24.0 reworked SparseAttnIndexer.
     "0005": (rb.CONFLICT, "vllm/model_executor/layers/sparse_attn_indexer.py"),
+    # The CUDA priority lists: its docs rows live in the last patch.
+    "0006": (rb.OFFSETS, ""),
+    # The SM90 Gluon fast path: a new file plus hunks in 0004's module.
+    "0007": (rb.APPLIED, ""),
     # The generated backend table in the docs moved on.
-    "0006": (rb.CONFLICT, "docs/design/attention_backends.md"),
+    "0008": (rb.CONFLICT, "docs/design/attention_backends.md"),
 }
 
 

@@ -3,9 +3,11 @@
 """Triton DSA indexer (patch 0005): MQA logits (ragged prefill, paged decode)
 and the torch top-k fallback, against fp64 references.
 
-CPU: runs the kernels under TRITON_INTERPRET=1 at small sizes, and AOT-
+CPU: runs the kernels under TRITON_INTERPRET=1 at small sizes, checks that
+bad arguments raise ValueError/TypeError naming the argument, and AOT-
 compiles every shipped tile config for sm_120/sm_121 (and the fp8->fp16
-path for sm_86) to keep shared memory within 101,376 B.
+path for sm_86; tests/support/aot.py) to keep shared memory within
+101,376 B.
 GPU (`-m gpu`): larger shapes, plus DeepGEMM side by side where it runs.
 """
 
@@ -14,11 +16,11 @@ import os
 import pytest
 import torch
 import triton
+from support.aot import SM120_MAX_SHARED_BYTES, dsa_indexer_kernels
 from support.indexer_ref import ref_logits
 from support.peers import load_deep_gemm
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 
-SM120_SMEM_LIMIT = 101_376
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -334,26 +336,152 @@ def test_logits_then_topk_end_to_end():
 
 
 # ---------------------------------------------------------------------------
+# Argument checks: ValueError/TypeError naming the argument
+# ---------------------------------------------------------------------------
+
+
+def _prefill_args(case):
+    t, h, d, s = 3, 4, 64, 20
+    q = rand_fp8((t, h, d), "cpu")
+    k8, k_scale = quant_k_per_token(torch.randn(s, d))
+    w = torch.randn(t, h)
+    ks = torch.zeros(t, dtype=torch.int32)
+    ke = torch.full((t,), s, dtype=torch.int32)
+    out = None
+    if case == "q_dtype":
+        q = q.to(torch.float16)
+    elif case == "q_2d":
+        q = q[:, 0]
+    elif case == "k_dim":
+        k8 = k8[:, :32]
+    elif case == "k_scale_len":
+        k_scale = k_scale[:-1]
+    elif case == "weights_shape":
+        w = w[:, :2]
+    elif case == "weights_dtype":
+        w = w.half()
+    elif case == "ks_short":
+        ks = ks[:2]
+    elif case == "ke_dtype":
+        ke = ke.long()
+    elif case == "q_strided":
+        q = rand_fp8((t, h, 2 * d), "cpu")[..., ::2]
+    elif case == "out_shape":
+        out = torch.empty(t, s + 1)
+    return (q, (k8, k_scale), w, ks, ke), {"out": out}
+
+
+PREFILL_BAD = {
+    "q_dtype": (TypeError, ["q", "float8_e4m3fn", "torch.float16"]),
+    "q_2d": (ValueError, ["q", "[M, H, D]", "(3, 64)"]),
+    "k_dim": (ValueError, ["k (kv[0])", "[N, 64]", "(20, 32)"]),
+    "k_scale_len": (ValueError, ["k_scale", "[20]", "(19,)"]),
+    "weights_shape": (ValueError, ["weights", "[3, 4]", "(3, 2)"]),
+    "weights_dtype": (TypeError, ["weights", "torch.float32", "torch.float16"]),
+    "ks_short": (ValueError, ["cu_seqlen_ks", "[3]", "(2,)"]),
+    "ke_dtype": (TypeError, ["cu_seqlen_ke", "torch.int32", "torch.int64"]),
+    "q_strided": (ValueError, ["q", "stride 1", "2"]),
+    "out_shape": (ValueError, ["out", "[3, 20]", "(3, 21)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL_BAD))
+def test_mqa_logits_rejects_bad_arguments_by_name(case):
+    exc, words = PREFILL_BAD[case]
+    args, kw = _prefill_args(case)
+    with pytest.raises(exc) as info:
+        tdi.fp8_mqa_logits(*args, clean_logits=False, **kw)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+def _paged_args(case):
+    q, cache, w, ctx, bt, _ = build_paged_case(2, 1, 4, 64, 16, 48, False, seed=1)
+    out = None
+    if case == "kv_cache_dtype":
+        cache = cache.view(torch.int8)
+    elif case == "kv_cache_width":
+        cache = cache[..., :-4].contiguous()
+    elif case == "weights_shape":
+        w = w[:1]
+    elif case == "context_lens_shape":
+        ctx = ctx[:1]
+    elif case == "context_lens_dtype":
+        ctx = ctx.long()
+    elif case == "block_tables_rows":
+        bt = bt[:1]
+    elif case == "block_tables_dtype":
+        bt = bt.long()
+    elif case == "q_3d":
+        q = q[:, 0]
+    elif case == "out_shape":
+        out = torch.empty(2, 47)
+    return (q, cache, w, ctx, bt, None, 48), {"out": out}
+
+
+PAGED_BAD = {
+    "kv_cache_dtype": (TypeError, ["kv_cache", "torch.uint8", "torch.int8"]),
+    "kv_cache_width": (ValueError, ["kv_cache", "68", "(9, 16, 64)"]),
+    "weights_shape": (ValueError, ["weights", "[2, 4]", "(1, 4)"]),
+    "context_lens_shape": (ValueError, ["context_lens", "[2]", "(1,)"]),
+    "context_lens_dtype": (TypeError, ["context_lens", "torch.int32", "torch.int64"]),
+    "block_tables_rows": (ValueError, ["block_tables", "[2, max_blocks]", "(1, 3)"]),
+    "block_tables_dtype": (TypeError, ["block_tables", "torch.int32", "torch.int64"]),
+    "q_3d": (ValueError, ["q", "[B, next_n, H, D]", "(2, 4, 64)"]),
+    "out_shape": (ValueError, ["out", "[2, 48]", "(2, 47)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PAGED_BAD))
+def test_paged_mqa_logits_rejects_bad_arguments_by_name(case):
+    exc, words = PAGED_BAD[case]
+    args, kw = _paged_args(case)
+    with pytest.raises(exc) as info:
+        tdi.fp8_paged_mqa_logits(*args, clean_logits=False, **kw)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+def test_topk_fallbacks_reject_short_arguments():
+    logits = torch.randn(4, 30)
+    ks = torch.zeros(4, dtype=torch.int32)
+    ke = torch.full((4,), 30, dtype=torch.int32)
+    small = torch.empty(4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"raw_topk_indices.*\[4, 16\].*\(4, 8\)"):
+        tdi.top_k_per_row_prefill(logits, ks, ke, small, 4, 30, 1, 16)
+    with pytest.raises(ValueError, match=r"cu_seqlen_ke.*4 rows"):
+        tdi.top_k_per_row_prefill(
+            logits, ks, ke[:3], torch.empty(4, 16, dtype=torch.int32), 4, 30, 1, 16
+        )
+    with pytest.raises(ValueError, match=r"seq_lens.*4 rows"):
+        tdi.top_k_per_row_decode(
+            logits,
+            1,
+            torch.full((3,), 30, dtype=torch.int32),
+            torch.empty(4, 16, dtype=torch.int32),
+            4,
+            30,
+            1,
+            16,
+        )
+
+
+# ---------------------------------------------------------------------------
 # AOT compile: shared memory per block on SM120/121 (and SM86 fp16 path)
 # ---------------------------------------------------------------------------
 
 
 _AOT_SCRIPT = r"""
-import importlib.util, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
+import json
+from support.aot import compile_for, dsa_indexer_kernels
 
-spec = importlib.util.spec_from_file_location("_tdi_aot", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
 result = {}
-for name, fn, sig, consts, opts in mod.aot_compile_specs():
+for kernel in dsa_indexer_kernels():
     # SM12x runs the native fp8 kernels; the fp8->fp16 path is what SM8x
     # (< 8.9) runs, and SM86 shares SM120's 99 KiB limit.
-    for cap in ((86,) if consts["UPCAST"] else (120, 121)):
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
-        result[f"sm{cap}-{name}"] = k.metadata.shared
+    for cap in [(8, 6)] if kernel.constexprs["UPCAST"] else [(12, 0), (12, 1)]:
+        k = compile_for(kernel, cap)
+        result[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = k.metadata.shared
 print(json.dumps(result))
 """
 
@@ -368,9 +496,17 @@ def test_aot_shared_memory(tmp_path):
 
     # A private cache: a cold compile each time, but no races with other
     # processes sharing the default one.
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    support_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="0",
+        TRITON_CACHE_DIR=str(tmp_path),
+        PYTHONPATH=os.pathsep.join(
+            [support_root, *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, tdi.__file__],
+        [sys.executable, "-c", _AOT_SCRIPT],
         capture_output=True,
         text=True,
         env=env,
@@ -378,9 +514,9 @@ def test_aot_shared_memory(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = sum(1 if s[3]["UPCAST"] else 2 for s in tdi.aot_compile_specs())
+    expected = sum(1 if k.constexprs["UPCAST"] else 2 for k in dsa_indexer_kernels())
     assert len(shared) == expected
-    over = {k: v for k, v in shared.items() if not 0 < v <= SM120_SMEM_LIMIT}
+    over = {k: v for k, v in shared.items() if not 0 < v <= SM120_MAX_SHARED_BYTES}
     assert not over, over
 
 

@@ -3,11 +3,13 @@
 """Triton sparse MLA kernel (patch 0004) against an fp64 reference.
 
 CPU: the kernels run under TRITON_INTERPRET=1 at small sizes (d_qk/d_v stay
-576/512, the real geometry) in fp16 and fp32 -- Triton 3.6's interpreter gets
-bf16 dots wrong, so bf16 is checked on a GPU. Every config the kernel can
-choose on 12.0/12.1 is AOT-compiled for sm_120/sm_121 and must fit
-101,376 B of shared memory; 8.0, 8.9, 9.0 (the two Hopper Gluon kernels,
-within 232,448 B) and 10.0 must compile.
+576/512, the real geometry) in fp16 -- Triton 3.6's interpreter gets bf16
+dots wrong, so bf16 is checked on a GPU. Bad arguments must raise
+ValueError/TypeError naming the argument, also under ``python -O``. Every
+config the kernel can choose on 12.0/12.1 is AOT-compiled
+(tests/support/aot.py) for sm_120/sm_121 and must fit 101,376 B of shared
+memory; 8.0, 8.9, 9.0 (the two Hopper Gluon kernels, within 232,448 B) and
+10.0 must compile.
 GPU (``-m gpu``): GLM-5 shapes, fp16 and bf16, the SM120 configs forced on
 whatever GPU runs them, and FlashMLA sparse side by side where it loads.
 """
@@ -20,13 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from support.aot import SM90_MAX_SHARED_BYTES, SM120_MAX_SHARED_BYTES
+from support.aot import sparse_mla_configs as all_configs
 from support.peers import load_flashmla_sparse
 from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops.triton_sparse_mla import (
-    SM90_MAX_SHARED_BYTES,
-    SM120_MAX_SHARED_BYTES,
     SparseMLAConfig,
-    all_configs,
     auto_config,
     get_config,
     req_topk_to_slots,
@@ -37,8 +38,10 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 D_QK, D_V = 576, 512
 SCALE = D_QK**-0.5
-# ||out - ref|| / ||ref|| bounds; the interpreter computes fp32 dots exactly.
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# tests/: where the AOT subprocesses find support.aot.
+SUPPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ||out - ref|| / ||ref|| bounds.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def rel_err(x, ref):
@@ -80,8 +83,8 @@ def nan_out(s_q, h_q, dtype, device=DEV):
 
 
 def cpu_dtypes():
-    # fp32 is interpreter-only; bf16 dots are wrong in the interpreter.
-    return [torch.float16] if CUDA else [torch.float16, torch.float32]
+    # bf16 dots are wrong in the interpreter: fp16 only on CPU.
+    return [torch.float16]
 
 
 # ---------------------------------------------------------------------------
@@ -273,6 +276,116 @@ def test_paged_decode_end_to_end(num_splits):
 
 
 # ---------------------------------------------------------------------------
+# Argument checks: a message naming the argument, also under python -O
+# ---------------------------------------------------------------------------
+
+
+def _bad_args(case):
+    """(q, kv, indices, kwargs) with one defect, named by ``case``."""
+    dt = torch.float16
+    q, kv, idx = make_inputs(3, 4, 32, 20, dt, gen=torch.Generator().manual_seed(1))
+    kw = {}
+    if case == "q_2d":
+        q = q[:, 0]
+    elif case == "q_d_qk":
+        q = q[..., :512]
+    elif case == "q_dtype":
+        q, kv = q.float(), kv.float()
+    elif case == "kv_shape":
+        kv = kv.expand(32, 2, D_QK)
+    elif case == "kv_dtype":
+        kv = kv.to(torch.bfloat16)
+    elif case == "kv_last_dim_strided":
+        kv = torch.empty(32, 1, 2 * D_QK, dtype=dt, device=DEV)[..., ::2]
+    elif case == "indices_short":
+        idx = idx[:2]
+    elif case == "indices_2d":
+        idx = idx[:, 0]
+    elif case == "indices_dtype":
+        idx = idx.long()
+    elif case == "d_v":
+        kw["d_v"] = 256
+    elif case == "out_shape":
+        kw["out"] = nan_out(3, 5, dt)
+    elif case == "out_dtype":
+        kw["out"] = nan_out(3, 4, torch.bfloat16)
+    elif case == "num_splits":
+        kw["num_splits"] = 0
+    return q, kv, idx, kw
+
+
+BAD_ARGS = {
+    # case: (exception, words the message must contain)
+    "q_2d": (ValueError, ["q", "[s_q, h_q, 576]", "(3, 576)"]),
+    "q_d_qk": (ValueError, ["q", "[s_q, h_q, 576]", "(3, 4, 512)"]),
+    "q_dtype": (TypeError, ["q", "float16 or bfloat16", "torch.float32"]),
+    "kv_shape": (ValueError, ["kv", "[s_kv, 1, 576]", "(32, 2, 576)"]),
+    "kv_dtype": (TypeError, ["kv", "torch.float16", "torch.bfloat16"]),
+    "kv_last_dim_strided": (ValueError, ["kv", "stride 1", "2"]),
+    "indices_short": (ValueError, ["indices", "[3, 1, topk]", "(2, 1, 20)"]),
+    "indices_2d": (ValueError, ["indices", "[3, 1, topk]", "(3, 20)"]),
+    "indices_dtype": (TypeError, ["indices", "torch.int32", "torch.int64"]),
+    "d_v": (ValueError, ["d_v", "512", "256"]),
+    "out_shape": (ValueError, ["out", "(3, 4, 512)", "(3, 5, 512)"]),
+    "out_dtype": (TypeError, ["out", "torch.float16", "torch.bfloat16"]),
+    "num_splits": (ValueError, ["num_splits", ">= 1", "0"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_rejects_bad_arguments_by_name(case):
+    exc, words = BAD_ARGS[case]
+    q, kv, idx, kw = _bad_args(case)
+    with pytest.raises(exc) as info:
+        sparse_mla_fwd(q, kv, idx, SCALE, **kw)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_topk_zero(num_splits):
+    """No index at all: every row is empty, whatever split count is asked."""
+    q, kv, _ = make_inputs(2, 3, 16, 1, torch.float16)
+    idx = torch.empty((2, 1, 0), dtype=torch.int32, device=DEV)
+    out, max_logits, lse = sparse_mla_fwd(
+        q, kv, idx, SCALE, out=nan_out(2, 3, torch.float16), num_splits=num_splits
+    )
+    assert torch.all(out == 0)
+    assert torch.all(torch.isposinf(lse)) and torch.all(torch.isneginf(max_logits))
+
+
+_SHORT_INDICES_SCRIPT = r"""
+import sys, torch
+from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_fwd
+assert not __debug__, "run with python -O"
+q = torch.randn(4, 2, 576).half()
+kv = torch.randn(8, 1, 576).half()
+idx = torch.zeros((1, 1, 16), dtype=torch.int32)  # rows for 1 of 4 tokens
+try:
+    sparse_mla_fwd(q, kv, idx, 0.1)
+except ValueError as e:
+    print("ValueError:", e)
+    sys.exit(0)
+print("no error")
+sys.exit(1)
+"""
+
+
+def test_too_short_indices_rejected_under_python_O():
+    """Asserts vanish under -O; the kernel would then read past indices."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-O", "-c", _SHORT_INDICES_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "indices" in proc.stdout
+
+
+# ---------------------------------------------------------------------------
 # Configs and AOT compilation (no GPU needed)
 # ---------------------------------------------------------------------------
 
@@ -289,7 +402,8 @@ def test_sm12x_config_table(cap):
 _AOT_SCRIPT = r"""
 import json, sys, torch
 from triton.backends.nvidia.compiler import CUDABackend
-from vllm.v1.attention.ops.triton_sparse_mla import SparseMLAConfig, aot_compile
+from support.aot import compile_for, sparse_mla_kernel
+from vllm.v1.attention.ops.triton_sparse_mla import SparseMLAConfig
 
 full_stages = CUDABackend.add_stages
 
@@ -311,7 +425,8 @@ for job, full in json.loads(sys.argv[1]):
     cap, path, dtype, cfg = job
     CUDABackend.add_stages = full_stages if full else to_llir
     cfg = SparseMLAConfig(*cfg)
-    k = aot_compile(tuple(cap), getattr(torch, dtype), path, cfg, h_q=cfg.block_h)
+    kernel = sparse_mla_kernel(getattr(torch, dtype), path, cfg, h_q=cfg.block_h)
+    k = compile_for(kernel, tuple(cap))
     assert (len(k.asm["cubin"]) > 0) == full
     print(json.dumps([job, k.metadata.shared]), flush=True)
 """
@@ -341,6 +456,9 @@ def aot_shared(tmp_path_factory):
     cores busy: ptxas dominates)."""
     jobs = _aot_jobs()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [SUPPORT_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     # Triton's cache key does not see the patched stages: a cubin cached by
     # a full compile elsewhere would be returned for an LLVM-IR-only job.
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-aot-cache"))
