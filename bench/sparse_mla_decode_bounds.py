@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from benchdata import BenchData, environment, results_dir
+from support.aot import compile_for, sparse_mla_kernel
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, TOPK
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
@@ -195,7 +196,7 @@ def loop_report(capability, cfg, path="decode"):
     """Shared bytes, registers and one warp's instructions per loop
     iteration of the main kernel (16-head block, 512 rows per CTA as with 4
     splits), AOT-compiled for ``capability``."""
-    k = tsm.aot_compile(capability, torch.bfloat16, path, cfg, h_q=16, topk=512)
+    k = compile_for(sparse_mla_kernel(torch.bfloat16, path, cfg, h_q=16, topk=512), capability)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
