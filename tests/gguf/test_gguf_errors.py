@@ -105,3 +105,27 @@ def test_mtp_draft_from_a_file_without_the_block(checkpoints, gguf_files):
     draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
     with pytest.raises(GGUFCheckpointError, match="no NextN/MTP block blk.2"):
         run_loader(gguf_files[("dsv3", "q8_0")], draft)
+
+
+@pytest.mark.parametrize(
+    "file_of, config_of, named",
+    [
+        # A GLM-5.2 file under GLM-5's config: shared layers lack indexers.
+        ("glm52", "glm", r"layers \[2, 4\] have no blk\.N\.indexer"),
+        # A GLM-5.2 config that marks a full layer of the file shared.
+        ("glm52", "glm52-more-shared", r"layers \[3\] carry blk\.N\.indexer"),
+    ],
+)
+def test_indexer_layout_disagreeing_with_the_config(
+    checkpoints, gguf_files, file_of, config_of, named
+):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    config = AutoConfig.from_pretrained(checkpoints[config_of.split("-")[0]].path)
+    if config_of == "glm":
+        config.num_hidden_layers = checkpoints["glm52"].num_hidden_layers
+        config.indexer_types = None
+    if config_of.endswith("more-shared"):
+        config.indexer_types = ["full", "full", "shared", "shared", "shared"]
+    with pytest.raises(GGUFCheckpointError, match=named):
+        run_loader(gguf_files[(file_of, "f16")], config)
