@@ -129,3 +129,48 @@ def test_indexer_layout_disagreeing_with_the_config(
         config.indexer_types = ["full", "full", "shared", "shared", "shared"]
     with pytest.raises(GGUFCheckpointError, match=named):
         run_loader(gguf_files[(file_of, "f16")], config)
+
+
+def _name(name: bytes) -> bytes:
+    """A tensor name as the GGUF header stores it (uint64 length first), so
+    that "output.weight" does not also match "blk.N.attn_output.weight"."""
+    return len(name).to_bytes(8, "little") + name
+
+
+@pytest.mark.parametrize(
+    "old, new, named",
+    [
+        # noaux_tc routing (the tiny checkpoints' topk_method) needs the bias.
+        (b"blk.1.exp_probs_b.bias", b"blk.1.exp_probs_X.bias", "blk.1.exp_probs_b.bias"),
+        # The config does not tie the head to the embeddings.
+        (_name(b"output.weight"), _name(b"outpuX.weight"), "'output.weight'"),
+    ],
+    ids=["router-bias", "output"],
+)
+def test_missing_required_tensor_is_named(
+    tmp_path, gguf_files, glm_config, old, new, named
+):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    assert glm_config.topk_method == "noaux_tc"
+    assert not glm_config.tie_word_embeddings
+    bad = _edit_header(gguf_files[("glm", "f16")], tmp_path / "lacks.gguf", old, new)
+    with pytest.raises(GGUFCheckpointError, match=named.replace(".", r"\.")):
+        run_loader(bad, glm_config)
+
+
+def test_output_may_be_missing_when_the_config_ties_it(
+    tmp_path, gguf_files, glm_config
+):
+    import copy
+
+    config = copy.deepcopy(glm_config)
+    config.tie_word_embeddings = True
+    bad = _edit_header(
+        gguf_files[("glm", "f16")],
+        tmp_path / "tied.gguf",
+        _name(b"output.weight"),
+        _name(b"outpuX.weight"),
+    )
+    loaded = run_loader(bad, config)
+    assert "lm_head.weight" not in loaded.tensors
