@@ -174,3 +174,50 @@ def test_output_may_be_missing_when_the_config_ties_it(
     )
     loaded = run_loader(bad, config)
     assert "lm_head.weight" not in loaded.tensors
+
+
+def _dims(*dims: int) -> bytes:
+    """A 2-D tensor's n_dims and ne[] as the GGUF header stores them."""
+    return len(dims).to_bytes(4, "little") + b"".join(
+        d.to_bytes(8, "little") for d in dims
+    )
+
+
+@pytest.mark.parametrize("variant", ["f16", "q8_0"])
+def test_misshapen_tensor_is_named_with_both_shapes(
+    tmp_path, gguf_files, glm_config, variant
+):
+    """attn_q_a [q_lora 128, hidden 256] stored as [256, 128]: the same
+    bytes, so the file itself is consistent. A Q8_0 one loaded silently
+    before and computed garbage."""
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    name = _name(b"blk.1.attn_q_a.weight")
+    bad = _edit_header(
+        gguf_files[("glm", variant)],
+        tmp_path / "misshapen.gguf",
+        name + _dims(256, 128),
+        name + _dims(128, 256),
+    )
+    with pytest.raises(
+        GGUFCheckpointError,
+        match=r"blk\.1\.attn_q_a\.weight: expected \(128, 256\), found \(256, 128\)",
+    ):
+        run_loader(bad, glm_config)
+
+
+@pytest.mark.parametrize("name", ["glm", "dsv3", "dsv32", "glm52"])
+def test_every_mapped_tensor_has_an_expected_shape(checkpoints, gguf_files, name):
+    """The shape check covers the whole map (it raises KeyError on a name
+    it has no shape for), for the target model and the MTP draft."""
+    import copy
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.model_executor.model_loader.gguf_dsa import get_mla_gguf_name_map
+
+    config = AutoConfig.from_pretrained(checkpoints[name].path)
+    path = str(gguf_files[(name, "f16")])
+    assert get_mla_gguf_name_map(config, [path])
+    if checkpoints[name].num_mtp_layers:
+        draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
+        assert get_mla_gguf_name_map(draft, [path])
