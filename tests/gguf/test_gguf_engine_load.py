@@ -80,6 +80,12 @@ def _cuda_on_cpu():
             yield
     finally:
         platform.__class__ = original
+        # Choices cached under the stand-in must not reach later tests.
+        from vllm.v1.attention.ops import dsa_indexer_dispatch
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()
+        dsa_indexer_dispatch.use_triton_dsa_indexer.cache_clear()
 
 
 @pytest.fixture(scope="module")
