@@ -45,6 +45,11 @@ _COMMON = dict(
 _DSA = dict(index_n_heads=4, index_head_dim=128, index_topk=16)
 
 
+# GLM-5.2's layout in small: full first layers, then shared ones reusing
+# the previous full layer's top-k.
+GLM52_INDEXER_TYPES = ["full", "full", "shared", "full", "shared"]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     name: str
@@ -79,7 +84,10 @@ def llama_cpp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extract_converter(sdist, tmp_path_factory.mktemp("llama_cpp"))
 
 
-def _save_glm(path: Path) -> Checkpoint:
+def _save_glm(path: Path, indexer_types: list[str] | None = None) -> Checkpoint:
+    """GLM-5; with `indexer_types`, GLM-5.2, whose "shared" layers have no
+    indexer of their own (they reuse the previous full layer's top-k, and
+    transformers builds no indexer for them)."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
@@ -93,12 +101,18 @@ def _save_glm(path: Path) -> Checkpoint:
         v_head_dim=256,
     )
     layers, mtp = 3, 1
+    if indexer_types is not None:
+        layers = len(indexer_types)
+        geometry["indexer_types"] = indexer_types
     # The MTP block is an ordinary decoder layer plus the NextN projections;
     # transformers does not model it, so build layer `layers` with one more
     # layer and append the NextN tensors, as GLM-5 checkpoints store them.
-    torch.manual_seed(1234)
+    torch.manual_seed(1234 if indexer_types is None else 5678)
+    full_geometry = dict(geometry)
+    if indexer_types is not None:  # the MTP block has its own indexer
+        full_geometry["indexer_types"] = indexer_types + ["full"] * mtp
     full = AutoModelForCausalLM.from_config(
-        GlmMoeDsaConfig(num_hidden_layers=layers + mtp, **geometry)
+        GlmMoeDsaConfig(num_hidden_layers=layers + mtp, **full_geometry)
     )
     full.save_pretrained(path)
     config = GlmMoeDsaConfig(
@@ -115,7 +129,7 @@ def _save_glm(path: Path) -> Checkpoint:
             state[prefix + norm + ".weight"] = 1 + 0.1 * torch.randn(hidden)
     _randomize_norms(state)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    return Checkpoint("glm", path, layers, mtp)
+    return Checkpoint("glm" if indexer_types is None else "glm52", path, layers, mtp)
 
 
 def _save_deepseek(path: Path, v32: bool) -> Checkpoint:
@@ -166,6 +180,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoin
     root = tmp_path_factory.mktemp("hf")
     return {
         "glm": _save_glm(root / "glm"),
+        "glm52": _save_glm(root / "glm52", GLM52_INDEXER_TYPES),
         "dsv3": _save_deepseek(root / "dsv3", v32=False),
         "dsv32": _save_deepseek(root / "dsv32", v32=True),
     }
@@ -183,6 +198,8 @@ GGUF_VARIANTS = [
     ("dsv3", "q8_0"),
     ("dsv3", "f32-legacy"),
     ("dsv32", "f16"),
+    ("glm52", "f16"),
+    ("glm52", "q8_0"),
 ]
 
 

@@ -105,3 +105,119 @@ def test_mtp_draft_from_a_file_without_the_block(checkpoints, gguf_files):
     draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
     with pytest.raises(GGUFCheckpointError, match="no NextN/MTP block blk.2"):
         run_loader(gguf_files[("dsv3", "q8_0")], draft)
+
+
+@pytest.mark.parametrize(
+    "file_of, config_of, named",
+    [
+        # A GLM-5.2 file under GLM-5's config: shared layers lack indexers.
+        ("glm52", "glm", r"layers \[2, 4\] have no blk\.N\.indexer"),
+        # A GLM-5.2 config that marks a full layer of the file shared.
+        ("glm52", "glm52-more-shared", r"layers \[3\] carry blk\.N\.indexer"),
+    ],
+)
+def test_indexer_layout_disagreeing_with_the_config(
+    checkpoints, gguf_files, file_of, config_of, named
+):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    config = AutoConfig.from_pretrained(checkpoints[config_of.split("-")[0]].path)
+    if config_of == "glm":
+        config.num_hidden_layers = checkpoints["glm52"].num_hidden_layers
+        config.indexer_types = None
+    if config_of.endswith("more-shared"):
+        config.indexer_types = ["full", "full", "shared", "shared", "shared"]
+    with pytest.raises(GGUFCheckpointError, match=named):
+        run_loader(gguf_files[(file_of, "f16")], config)
+
+
+def _name(name: bytes) -> bytes:
+    """A tensor name as the GGUF header stores it (uint64 length first), so
+    that "output.weight" does not also match "blk.N.attn_output.weight"."""
+    return len(name).to_bytes(8, "little") + name
+
+
+@pytest.mark.parametrize(
+    "old, new, named",
+    [
+        # noaux_tc routing (the tiny checkpoints' topk_method) needs the bias.
+        (b"blk.1.exp_probs_b.bias", b"blk.1.exp_probs_X.bias", "blk.1.exp_probs_b.bias"),
+        # The config does not tie the head to the embeddings.
+        (_name(b"output.weight"), _name(b"outpuX.weight"), "'output.weight'"),
+    ],
+    ids=["router-bias", "output"],
+)
+def test_missing_required_tensor_is_named(
+    tmp_path, gguf_files, glm_config, old, new, named
+):
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    assert glm_config.topk_method == "noaux_tc"
+    assert not glm_config.tie_word_embeddings
+    bad = _edit_header(gguf_files[("glm", "f16")], tmp_path / "lacks.gguf", old, new)
+    with pytest.raises(GGUFCheckpointError, match=named.replace(".", r"\.")):
+        run_loader(bad, glm_config)
+
+
+def test_output_may_be_missing_when_the_config_ties_it(
+    tmp_path, gguf_files, glm_config
+):
+    import copy
+
+    config = copy.deepcopy(glm_config)
+    config.tie_word_embeddings = True
+    bad = _edit_header(
+        gguf_files[("glm", "f16")],
+        tmp_path / "tied.gguf",
+        _name(b"output.weight"),
+        _name(b"outpuX.weight"),
+    )
+    loaded = run_loader(bad, config)
+    assert "lm_head.weight" not in loaded.tensors
+
+
+def _dims(*dims: int) -> bytes:
+    """A 2-D tensor's n_dims and ne[] as the GGUF header stores them."""
+    return len(dims).to_bytes(4, "little") + b"".join(
+        d.to_bytes(8, "little") for d in dims
+    )
+
+
+@pytest.mark.parametrize("variant", ["f16", "q8_0"])
+def test_misshapen_tensor_is_named_with_both_shapes(
+    tmp_path, gguf_files, glm_config, variant
+):
+    """attn_q_a [q_lora 128, hidden 256] stored as [256, 128]: the same
+    bytes, so the file itself is consistent. A Q8_0 one loaded silently
+    before and computed garbage."""
+    from vllm.model_executor.model_loader.gguf_dsa import GGUFCheckpointError
+
+    name = _name(b"blk.1.attn_q_a.weight")
+    bad = _edit_header(
+        gguf_files[("glm", variant)],
+        tmp_path / "misshapen.gguf",
+        name + _dims(256, 128),
+        name + _dims(128, 256),
+    )
+    with pytest.raises(
+        GGUFCheckpointError,
+        match=r"blk\.1\.attn_q_a\.weight: expected \(128, 256\), found \(256, 128\)",
+    ):
+        run_loader(bad, glm_config)
+
+
+@pytest.mark.parametrize("name", ["glm", "dsv3", "dsv32", "glm52"])
+def test_every_mapped_tensor_has_an_expected_shape(checkpoints, gguf_files, name):
+    """The shape check covers the whole map (it raises KeyError on a name
+    it has no shape for), for the target model and the MTP draft."""
+    import copy
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.model_executor.model_loader.gguf_dsa import get_mla_gguf_name_map
+
+    config = AutoConfig.from_pretrained(checkpoints[name].path)
+    path = str(gguf_files[(name, "f16")])
+    assert get_mla_gguf_name_map(config, [path])
+    if checkpoints[name].num_mtp_layers:
+        draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
+        assert get_mla_gguf_name_map(draft, [path])

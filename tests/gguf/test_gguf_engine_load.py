@@ -1,0 +1,261 @@
+"""GGUF files written by llama.cpp's converter load into the model vLLM
+builds for them, through the real loader (GGUFModelLoader.load_model):
+the quant method each layer gets, fused layers laid out the way their
+forward splits them, GLM-5.2's shared indexers (patches 0008-0010).
+
+No GPU here: the platform stands in as CUDA SM 12.0 with tensors on the
+CPU. Layers look their kernels up when they are built; loading runs none
+of them (the prefill kernel and the _C ops are stand-ins that refuse to
+run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+import torch
+from gguf_checks import q8_0_bound
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+from test_sparse_selector import CudaPlatform, _get_class_without_gpu  # noqa: E402
+
+
+class _CudaOnCpu(CudaPlatform):
+    """CUDA as the layers see it; tensors stay on the CPU."""
+
+    device_type = "cpu"
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0):
+        from vllm.platforms.interface import DeviceCapability
+
+        return DeviceCapability(12, 0)
+
+    @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return 188  # RTX PRO 6000 Blackwell
+
+
+class _NoKernels:
+    """torch.ops._C stand-in: layers look kernels up, loading runs none."""
+
+    def __getattr__(self, name: str):
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"_C.{name} ran in a CPU loading test")
+
+        return kernel
+
+
+class _NoPrefill:
+    def __init__(self, **kwargs) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _cuda_on_cpu():
+    import vllm.platforms
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    # Every module holds the same platform object: switch its class.
+    platform = vllm.platforms.current_platform
+    original = platform.__class__
+    platform.__class__ = _CudaOnCpu
+    try:
+        with (
+            patch.object(torch.ops, "_C", _NoKernels(), create=True),
+            patch("vllm.triton_utils.HAS_TRITON", True),
+            patch.object(AttentionBackendEnum, "get_class", _get_class_without_gpu),
+            patch(
+                "vllm.model_executor.layers.attention.mla_attention."
+                "get_mla_prefill_backend",
+                lambda vllm_config: _NoPrefill,
+            ),
+        ):
+            yield
+    finally:
+        platform.__class__ = original
+        # Choices cached under the stand-in must not reach later tests.
+        from vllm.v1.attention.ops import dsa_indexer_dispatch
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()
+        dsa_indexer_dispatch.use_triton_dsa_indexer.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def load_model(monkeypatch_module):
+    """(GGUF path, HF checkpoint dir) -> the model vLLM builds and loads."""
+    # Imported before the platform changes: these register ops per platform.
+    import vllm.model_executor.models.deepseek_v2  # noqa: F401
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.gguf_loader import GGUFModelLoader
+
+    monkeypatch_module.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
+    # Triton's unquantized MoE keeps w13 as loaded, [gate; up] per expert
+    # (FlashInfer's would reorder it after loading).
+    monkeypatch_module.setenv("VLLM_USE_FLASHINFER_MOE_FP16", "0")
+
+    def load(path: Path, hf_dir: Path):
+        with _cuda_on_cpu():
+            model_config = ModelConfig(
+                model=str(path),
+                hf_config_path=str(hf_dir),
+                tokenizer=str(hf_dir),
+                skip_tokenizer_init=True,
+                quantization="gguf",
+                dtype=torch.float16,
+                max_model_len=256,
+                enforce_eager=True,
+            )
+            vllm_config = VllmConfig(
+                model_config=model_config,
+                load_config=LoadConfig(load_format="gguf"),
+                device_config=DeviceConfig("cpu"),
+            )
+            with set_current_vllm_config(vllm_config):
+                if not parallel_state.model_parallel_is_initialized():
+                    parallel_state.init_distributed_environment(
+                        world_size=1,
+                        rank=0,
+                        local_rank=0,
+                        distributed_init_method=f"file://{tempfile.mktemp()}",
+                        backend="gloo",
+                    )
+                    parallel_state.initialize_model_parallel(1, 1)
+                loader = GGUFModelLoader(vllm_config.load_config)
+                return loader.load_model(vllm_config, model_config)
+
+    yield load
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _layers(model):
+    return model.model.layers
+
+
+@pytest.mark.parametrize("name, variant", [("glm", "f16"), ("dsv3", "f32-legacy")])
+def test_float_experts_load_unquantized(
+    checkpoints, gguf_files, load_model, name, variant
+):
+    """#15.1: float GGUF experts (F16/BF16/F32) need the unquantized MoE
+    method; GGUFMoEMethod has only *_qweight parameters (KeyError)."""
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+    checkpoint = checkpoints[name]
+    model = load_model(gguf_files[(name, variant)], checkpoint.path)
+    state = load_file(checkpoint.path / "model.safetensors")
+    moe_layers = 0
+    for i, layer in enumerate(_layers(model)):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        moe_layers += 1
+        assert isinstance(experts.quant_method, UnquantizedFusedMoEMethod)
+        prefix = f"model.layers.{i}.mlp.experts"
+        for e in range(experts.w13_weight.shape[0]):
+            w13 = torch.cat(
+                [
+                    state[f"{prefix}.{e}.gate_proj.weight"],
+                    state[f"{prefix}.{e}.up_proj.weight"],
+                ]
+            )
+            w2 = state[f"{prefix}.{e}.down_proj.weight"]
+            assert torch.equal(experts.w13_weight[e], w13.half()), (prefix, e)
+            assert torch.equal(experts.w2_weight[e], w2.half()), (prefix, e)
+    assert moe_layers == checkpoint.num_hidden_layers - 1  # first layer dense
+
+
+def _q8_0_dequant(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(
+        gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(qtype))
+    )
+
+
+def _cpu_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qweight_type: int):
+    """GGUF matmul on the CPU: dequantize with gguf-py, then multiply."""
+    weight = _q8_0_dequant(qweight, qweight_type).to(x.dtype)
+    return x @ weight.T
+
+
+@pytest.mark.parametrize("name", ["glm", "dsv3", "glm52"])
+def test_fused_qkv_a_follows_declared_shard_order(
+    checkpoints, gguf_files, load_model, monkeypatch, name
+):
+    """#15.2: llama.cpp stores attn_kv_a_mqa before attn_q_a; the fused
+    q_a/kv_a layer must still hold and compute [q_a | kv_a], the order
+    DeepSeek-V2's MLA forward splits."""
+    from vllm.model_executor.layers.quantization import gguf as gguf_quant
+
+    checkpoint = checkpoints[name]
+    path = gguf_files[(name, "q8_0")]
+    model = load_model(path, checkpoint.path)
+    state = load_file(checkpoint.path / "model.safetensors")
+    monkeypatch.setattr(gguf_quant, "fused_mul_mat_gguf", _cpu_mul_mat)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for i, layer in enumerate(_layers(model)):
+        fused = layer.self_attn.fused_qkv_a_proj
+        prefix = f"model.layers.{i}.self_attn."
+        refs = [
+            state[prefix + "q_a_proj.weight"],
+            state[prefix + "kv_a_proj_with_mqa.weight"],
+        ]
+        qweight = fused.qweight
+        assert list(qweight.shard_id) == [0, 1], f"{prefix}: {qweight.shard_id}"
+        start = 0
+        for shard, ref in enumerate(refs):
+            begin, end, width = qweight.shard_offset_map[shard]
+            assert (begin, end) == (start, start + ref.shape[0]), (prefix, shard)
+            qtype = fused.qweight_type.shard_weight_type[shard]
+            got = _q8_0_dequant(qweight[begin:end, :width].contiguous(), qtype)
+            err = (got.double() - ref.double()).abs()
+            assert (err <= q8_0_bound(ref)).all(), f"{prefix} shard {shard}"
+            start = end
+        # What the layer computes: [q_a | kv_a] of the input.
+        out = fused.quant_method.apply(fused, x)
+        want = x @ torch.cat(refs).T
+        rel = ((out - want).norm() / want.norm()).item()
+        assert rel < 2e-2, f"{prefix}: relative error {rel}"
+
+
+def test_glm52_shared_layers_reuse_the_previous_topk(
+    checkpoints, gguf_files, load_model
+):
+    """#15.3: GLM-5.2's indexer_types marks layers "shared": no indexer
+    tensors in the GGUF, the layer skips the top-k and reuses the buffer
+    of the previous full layer."""
+    from conftest import GLM52_INDEXER_TYPES
+
+    checkpoint = checkpoints["glm52"]
+    model = load_model(gguf_files[("glm52", "f16")], checkpoint.path)
+    state = load_file(checkpoint.path / "model.safetensors")
+    for i, (layer, kind) in enumerate(
+        zip(_layers(model), GLM52_INDEXER_TYPES, strict=True)
+    ):
+        mla = layer.self_attn.mla_attn
+        assert mla.skip_topk == (kind == "shared"), (i, kind)
+        if kind == "full":
+            ref = state[f"model.layers.{i}.self_attn.indexer.wq_b.weight"]
+            got = layer.self_attn.indexer.wq_b.weight
+            assert torch.equal(got, ref.half()), i
