@@ -55,7 +55,9 @@ def main() -> None:
                 self.gguf_writer.add_tokenizer_pre("default")
                 self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
                 self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-                self.gguf_writer.add_token_merges([])
+                # llama.cpp refuses a gpt2 vocabulary without merges; one
+                # placeholder merge lets it load the file (the llama.cpp oracle).
+                self.gguf_writer.add_token_merges(["< t"])
 
             def modify_tensors(self, data_torch, name, bid):
                 # Older converters wrote kv_b_proj unsplit as attn_kv_b.

@@ -1,0 +1,143 @@
+"""The independent oracles the engine is checked against.
+
+- transformers in fp32 on the same weights: the model is built from the
+  checkpoint's config, and every parameter is replaced by the GGUF file's
+  tensor, dequantized by gguf-py (so a Q4_K_M file is compared with a
+  model that has exactly its rounded weights);
+- llama.cpp on the same GGUF file (llama-cpp-python, CPU).
+
+Both give teacher-forced log-probabilities: row i is the distribution of
+the token after tokens[: i + 1].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# GGUF tensor (within blk.N.) -> transformers parameter (within model.layers.N.)
+_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file, dequantized to float32, in numpy order
+    (the reverse of GGUF's ne order, i.e. the checkpoint's shape)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in GGUFReader(path).tensors:
+        data = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[t.name] = np.array(data, dtype=np.float32).reshape(shape)  # writable copy
+    return out
+
+
+def hf_state_from_gguf(path: Path, config) -> dict[str, torch.Tensor]:
+    """The transformers model's parameters (in-memory names) from a GGUF file
+    written by llama.cpp's converter; the NextN block (blk.<layers>) is left
+    out, transformers does not model it."""
+    tensors = gguf_tensors(path)
+    n_layers = config.num_hidden_layers
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[int, dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        if name in _GLOBAL_MAP:
+            state[_GLOBAL_MAP[name]] = torch.from_numpy(value)
+            continue
+        _, layer, rest = name.split(".", 2)
+        layer = int(layer)
+        if layer >= n_layers:
+            continue
+        prefix = f"model.layers.{layer}."
+        if rest in _LAYER_MAP:
+            state[prefix + _LAYER_MAP[rest]] = torch.from_numpy(value)
+        elif rest in ("attn_k_b.weight", "attn_v_b.weight",
+                      "ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            pending.setdefault(layer, {})[rest] = value
+        else:
+            raise KeyError(f"{path.name}: no transformers parameter for GGUF tensor {name}")
+    for layer, parts in pending.items():
+        prefix = f"model.layers.{layer}."
+        if "attn_k_b.weight" in parts:
+            # k_b [H, kv_lora, nope] (transposed nope rows), v_b [H, v, kv_lora]
+            k_b = torch.from_numpy(parts["attn_k_b.weight"]).transpose(1, 2)
+            v_b = torch.from_numpy(parts["attn_v_b.weight"])
+            kv_b = torch.cat([k_b, v_b], dim=1).reshape(-1, k_b.shape[-1])
+            state[prefix + "self_attn.kv_b_proj.weight"] = kv_b
+        if "ffn_gate_exps.weight" in parts:
+            gate = torch.from_numpy(parts["ffn_gate_exps.weight"])
+            up = torch.from_numpy(parts["ffn_up_exps.weight"])
+            state[prefix + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    return state
+
+
+def transformers_model(hf_dir: Path, gguf_path: Path, device: str = "cpu"):
+    """transformers in fp32 (eager attention) with the GGUF file's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = hf_state_from_gguf(gguf_path, config)
+    expected = model.state_dict()  # parameters and persistent buffers
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise KeyError(f"{gguf_path.name}: parameters missing {missing[:8]}, unexpected {extra[:8]}")
+    for name, param in expected.items():
+        if tuple(param.shape) != tuple(state[name].shape):
+            raise ValueError(f"{gguf_path.name}: {name} is {tuple(state[name].shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def transformers_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokens], device=device)
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def llama_cpp_logprobs(gguf_path: Path, tokens: list[int], threads: int = 4) -> torch.Tensor:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=max(512, len(tokens) + 8), logits_all=True,
+                n_threads=threads, n_gpu_layers=0, verbose=False, seed=0)
+    llm.eval(tokens)
+    scores = torch.from_numpy(np.array(llm.scores[: len(tokens)], dtype=np.float32))
+    llm.close()
+    return torch.log_softmax(scores, dim=-1)

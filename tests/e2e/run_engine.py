@@ -1,0 +1,56 @@
+"""One engine run, in its own process (the environment decides vLLM's
+choices at import time): `python run_engine.py CASE.json OUT.json`.
+
+CASE: {"gguf", "hf", "prompts", "max_tokens", "llm": {LLM keyword args}}.
+OUT: per prompt the teacher-forced log-probability of each prompt token and
+the engine's top-1 token there, the greedy continuation, plus what the
+engine chose (attention backend, dtype, indexer) and spec-decode counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    case = json.loads(open(sys.argv[1]).read())
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    start = time.monotonic()
+    llm = LLM(model=case["gguf"], hf_config_path=case["hf"], tokenizer=case["hf"],
+              seed=0, **case["llm"])
+    started = time.monotonic() - start
+    params = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True,
+                            prompt_logprobs=1, logprobs=1)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params)
+    result = {"start_s": round(started, 1), "prompts": []}
+    for out in outputs:
+        actual, top1 = [], []
+        for pos, entry in enumerate(out.prompt_logprobs):
+            if entry is None:  # the first token has no prediction
+                continue
+            token = out.prompt_token_ids[pos]
+            actual.append(entry[token].logprob)
+            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+        result["prompts"].append({
+            "prompt_logprob": actual,
+            "prompt_top1": top1,
+            "generated": list(out.outputs[0].token_ids),
+        })
+    config = llm.llm_engine.vllm_config
+    result["dtype"] = str(config.model_config.dtype).removeprefix("torch.")
+    result["spec"] = {}
+    try:
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:spec_decode_num_"):
+                result["spec"][metric.name.removeprefix("vllm:spec_decode_")] = getattr(
+                    metric, "value", None)
+    except Exception as e:  # metrics are informative only
+        result["spec"]["error"] = repr(e)
+    json.dump(result, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
