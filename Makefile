@@ -6,7 +6,7 @@ export VENV
 # that the target started, and make returns once all of it has exited.
 SUPERVISE = python3 scripts/supervise.py
 
-.PHONY: build-wheel apply patches rebase compat test test-gpu bench clean
+.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
@@ -33,9 +33,20 @@ compat:
 test:
 	$(SUPERVISE) scripts/run-tests.sh
 
-## test-gpu: the tests that need a CUDA GPU (run on a GPU machine)
+## test-gpu: the tests that need a CUDA GPU, the end-to-end engine tests among them (on a GPU
+## machine; WHEELHOUSE=<dir> installs from `make wheelhouse` output without a package index)
 test-gpu:
 	PYTEST_MARK=gpu $(SUPERVISE) scripts/run-tests.sh
+
+## wheelhouse: every runtime wheel for a GPU machine without a package index (WHEELHOUSE=<dir>,
+## WHEELHOUSE_PYTHON=3.12, WHEELHOUSE_PLATFORM=x86_64)
+wheelhouse:
+	$(SUPERVISE) scripts/wheelhouse.sh
+
+## e2e-models: the end-to-end tests' tiny GLM-5 / GLM-5.2 / DeepSeek-V3.2 checkpoints and GGUF
+## files (llama.cpp's converter and quantizer) in E2E_MODELS (default build/e2e)
+e2e-models:
+	$(SUPERVISE) $(VENV)/bin/python tests/e2e/models.py build $${E2E_MODELS:-build/e2e}
 
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
 bench:

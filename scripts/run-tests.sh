@@ -1,12 +1,40 @@
 #!/usr/bin/env bash
 # `make test`: build and install the wheel into $VENV, then run pytest from
 # the repository root against that installation.
-# PYTEST_MARK=gpu runs only the GPU tests (make test-gpu).
+# PYTEST_MARK=gpu runs only the GPU tests (make test-gpu); they need the
+# end-to-end models (make e2e-models, built here when missing).
+# WHEELHOUSE=<dir> installs from a `make wheelhouse` folder with pip
+# --no-index instead of building (a GPU machine without a package index);
+# WHEELHOUSE_NO_DEPS=1 installs the folder's wheels as they are, for a
+# machine whose Python already has the rest (torch, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
-scripts/install-wheel.sh
+if [ -n "${WHEELHOUSE:-}" ]; then
+  [ -d "$WHEELHOUSE" ] || { echo "error: WHEELHOUSE=$WHEELHOUSE is not a folder" >&2; exit 2; }
+  version=$(python3 scripts/series.py version)
+  ls "$WHEELHOUSE"/vllm-"$version"-*.whl >/dev/null 2>&1 || {
+    echo "error: $WHEELHOUSE has no wheel of this series ($version); run make wheelhouse" >&2; exit 2; }
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  printf '\n==> install vllm %s from %s (no index)\n' "$version" "$WHEELHOUSE"
+  if [ -n "${WHEELHOUSE_NO_DEPS:-}" ]; then
+    "$VENV/bin/python" -m pip install -q --no-index --no-deps "$WHEELHOUSE"/*.whl
+  else
+    "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELHOUSE" "vllm==$version" \
+      -r tests/requirements.txt -r tests/requirements-gpu.txt
+  fi
+  export E2E_LLAMA_CPP=${E2E_LLAMA_CPP:-$WHEELHOUSE/llama.cpp-converter.tar.gz}
+else
+  scripts/install-wheel.sh
+  [ "${PYTEST_MARK:-}" = gpu ] && "$VENV/bin/python" -m pip install -q -r tests/requirements-gpu.txt
+fi
+
+if [ "${PYTEST_MARK:-}" = gpu ]; then
+  export E2E_MODELS=${E2E_MODELS:-build/e2e}
+  printf '\n==> end-to-end models (%s)\n' "$E2E_MODELS"
+  "$VENV/bin/python" tests/e2e/models.py build "$E2E_MODELS"
+fi
 
 printf '\n==> pytest\n'
 # GPU tests skip themselves, with the reason, where there is no GPU.

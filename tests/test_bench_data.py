@@ -151,7 +151,7 @@ def test_check_catches_a_changed_figure(tmp_path):
 
 def test_every_results_file_is_data_or_rendered_from_it():
     """bench/results/<card>/ holds only data and what render.py makes of it
-    (backend_h200.md, written by hand with scripts/gpu/, sits outside)."""
+    (backend_h200.md, printed by bench/bench_backend.py, sits outside)."""
     rendered = {
         "sparse_mla": {"sparse_mla.md", "sparse_mla_accuracy.md", "sparse_mla.png"},
         "sparse_mla_paths": {"sparse_mla_paths.md"},

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `make wheelhouse`: every wheel the series' vLLM and its GPU tests need at
+# run time, for one target Python and platform, in one folder, so a GPU
+# machine without a package index (an air-gapped server) can install with
+# `make test-gpu WHEELHOUSE=<folder>` (pip --no-index). Run it where the
+# package index pip is configured with is reachable.
+#
+#   WHEELHOUSE=<dir>          output (default dist/wheelhouse)
+#   WHEELHOUSE_PYTHON=3.12    the target's Python version
+#   WHEELHOUSE_PLATFORM=x86_64 | aarch64
+#
+# Contents: the series' wheel (make build-wheel), its requirements and
+# tests/requirements.txt resolved by pip for the target, the llama-cpp-python
+# wheel (tests/requirements-gpu.txt) built from the pinned sdist (CPU build: the
+# tests' llama.cpp oracle and quantizer) and llama.cpp's converter
+# (llama.cpp-converter.tar.gz, for `make e2e-models`). Copy the folder in as
+# many parts as you like; nothing in it is machine-specific but the platform.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${WHEELHOUSE:-dist/wheelhouse}
+PY_VERSION=${WHEELHOUSE_PYTHON:-3.12}
+ARCH=${WHEELHOUSE_PLATFORM:-x86_64}
+step() { printf '\n==> %s\n' "$*"; }
+
+./build.sh
+version=$(python3 scripts/series.py version)
+wheel=$(ls dist/vllm-"$version"-*.whl)
+mkdir -p "$OUT"
+cp "$wheel" "$OUT/"
+
+# Every manylinux tag a current distribution can run (pip matches tags exactly).
+platforms=()
+for n in 17 24 26 27 28 31 34 35 38 39; do platforms+=(--platform "manylinux_2_${n}_$ARCH"); done
+platforms+=(--platform "manylinux2014_$ARCH" --platform "linux_$ARCH")
+step "requirements for Python $PY_VERSION on $ARCH -> $OUT"
+python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
+  --implementation cp "${platforms[@]}" -d "$OUT" \
+  "$wheel" -r tests/requirements.txt
+
+step "llama-cpp-python from the pinned sdist (CPU build, portable)"
+python3 tests/e2e/models.py llama-cpp-wheel "$OUT"
+python3 tests/e2e/models.py converter "$OUT/llama.cpp-converter.tar.gz"
+( cd "$OUT" && ls -1 > MANIFEST.txt )
+du -sh "$OUT"
