@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Times TRITON_MLA_SPARSE's forward_mqa (slot conversion + q concat +
@@ -5,9 +6,11 @@ kernel) against the kernel alone on pre-converted slots, GLM-5 geometry
 (topk 2048, d_qk 576, d_v 512), on a paged cache of 64-row blocks.
 
 Decode batches are captured in a CUDA graph and timed by replay (as vLLM
-runs them); prefill is timed eagerly. Prints a markdown table.
+runs them); prefill is timed eagerly. Prints a markdown table (needs a CUDA
+GPU and the series' wheel installed).
 """
 
+import argparse
 import math
 from types import SimpleNamespace
 
@@ -134,4 +137,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()
     main()

@@ -30,8 +30,10 @@ cp "$wheel" "$OUT/"
 
 # Every manylinux tag a current distribution can run (pip matches tags exactly).
 platforms=()
-for n in 17 24 26 27 28 31 34 35 38 39; do platforms+=(--platform "manylinux_2_${n}_$ARCH"); done
-platforms+=(--platform "manylinux2014_$ARCH" --platform "linux_$ARCH")
+for n in $(seq 5 39); do platforms+=(--platform "manylinux_2_${n}_$ARCH"); done
+# linux_*: the series wheel itself (built here, tagged like a local build).
+platforms+=(--platform "manylinux1_$ARCH" --platform "manylinux2010_$ARCH" --platform "manylinux2014_$ARCH"
+           --platform "linux_$ARCH")
 step "requirements for Python $PY_VERSION on $ARCH -> $OUT"
 python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp "${platforms[@]}" -d "$OUT" \
