@@ -259,3 +259,31 @@ def test_glm52_shared_layers_reuse_the_previous_topk(
             ref = state[f"model.layers.{i}.self_attn.indexer.wq_b.weight"]
             got = layer.self_attn.indexer.wq_b.weight
             assert torch.equal(got, ref.half()), i
+
+
+@pytest.mark.parametrize(
+    "name, key, neox",
+    [("glm", None, False), ("glm", False, True), ("dsv32", None, True)],
+)
+def test_indexer_rope_style_of_the_built_model(
+    checkpoints, gguf_files, load_model, tmp_path, name, key, neox
+):
+    """GLM-5's indexer rotates interleaved pairs even when its config lacks
+    indexer_rope_interleave (transformers' GlmMoeDsaConfig saves none); an
+    explicit key wins; DeepSeek-V3.2 stays NeoX (test_indexer_rope_style.py)."""
+    import json
+    import shutil
+
+    hf_dir = checkpoints[name].path
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert "indexer_rope_interleave" not in config
+    if key is not None:
+        hf_dir = tmp_path / name
+        shutil.copytree(checkpoints[name].path, hf_dir)
+        config["indexer_rope_interleave"] = key
+        (hf_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(gguf_files[(name, "f16")], hf_dir)
+    for i, layer in enumerate(_layers(model)):
+        attn = layer.self_attn
+        assert attn.indexer_rope_emb.is_neox_style is neox, i
+        assert attn.rotary_emb.is_neox_style is False, i  # MLA's own RoPE
