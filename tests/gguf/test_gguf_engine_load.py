@@ -59,13 +59,20 @@ class _NoPrefill:
 
 @contextlib.contextmanager
 def _cuda_on_cpu():
-    import vllm.platforms
+    from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    # Every module holds the same platform object: switch its class.
-    platform = vllm.platforms.current_platform
-    original = platform.__class__
-    platform.__class__ = _CudaOnCpu
+    # Modules keep the platform object they imported (other tests may have
+    # patched in their own while importing): switch the class of each.
+    platforms = {
+        id(obj): obj
+        for name, module in list(sys.modules.items())
+        if name.startswith("vllm")
+        and isinstance(obj := getattr(module, "current_platform", None), Platform)
+    }
+    originals = {key: obj.__class__ for key, obj in platforms.items()}
+    for obj in platforms.values():
+        obj.__class__ = _CudaOnCpu
     try:
         with (
             patch.object(torch.ops, "_C", _NoKernels(), create=True),
@@ -79,7 +86,8 @@ def _cuda_on_cpu():
         ):
             yield
     finally:
-        platform.__class__ = original
+        for key, obj in platforms.items():
+            obj.__class__ = originals[key]
         # Choices cached under the stand-in must not reach later tests.
         from vllm.v1.attention.ops import dsa_indexer_dispatch
         from vllm.v1.attention.selector import _cached_get_attn_backend
@@ -270,7 +278,7 @@ def test_indexer_rope_style_of_the_built_model(
 ):
     """GLM-5's indexer rotates interleaved pairs even when its config lacks
     indexer_rope_interleave (transformers' GlmMoeDsaConfig saves none); an
-    explicit key wins; DeepSeek-V3.2 stays NeoX (test_indexer_rope_style.py)."""
+    explicit key wins; DeepSeek-V3.2 stays NeoX (test_glm_dsa_defaults.py)."""
     import json
     import shutil
 

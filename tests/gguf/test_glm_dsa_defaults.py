@@ -1,9 +1,9 @@
-"""The DSA indexer's RoPE style: GLM-5 (glm_moe_dsa) rotates interleaved
-(GPT-J) pairs, DeepSeek-V3.2 half-split (NeoX) ones. transformers'
-GlmMoeDsaIndexer and llama.cpp's glm-dsa hard-code the interleaved form;
-configs saved by transformers' GlmMoeDsaConfig carry no
-indexer_rope_interleave key, and vLLM then used NeoX RoPE in the indexer,
-selecting the wrong top-k. An explicit key always wins.
+"""What GLM-5 (glm_moe_dsa) configs may leave out: sigmoid router scores
+and an interleaved (GPT-J) indexer RoPE, which transformers' GlmMoeDsa and
+llama.cpp's glm-dsa hard-code; DeepSeek-V3.2 keeps vLLM's defaults
+(softmax unless its config says sigmoid, NeoX). Configs saved by
+transformers' GlmMoeDsaConfig carry neither key, and vLLM then ran softmax
+routing and a NeoX indexer without a word. An explicit key always wins.
 
 The model-construction check is in test_gguf_engine_load.py
 (test_indexer_rope_style_of_the_built_model)."""
@@ -17,11 +17,32 @@ from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
 
 def _neox(config) -> bool:
-    from vllm.model_executor.models.dsa_indexer_rope import (
-        indexer_rope_is_neox_style,
-    )
+    from vllm.model_executor.models.glm_dsa_defaults import indexer_rope_is_neox_style
 
     return indexer_rope_is_neox_style(config)
+
+
+def _scoring(config) -> str:
+    from vllm.model_executor.models.glm_dsa_defaults import router_scoring_func
+
+    return router_scoring_func(config)
+
+
+@pytest.mark.parametrize(
+    "config_class, key, scoring",
+    [
+        (GlmMoeDsaConfig, None, "sigmoid"),  # GLM-5: sigmoid unless told
+        (GlmMoeDsaConfig, "sigmoid", "sigmoid"),  # the official config.json
+        (GlmMoeDsaConfig, "softmax", "softmax"),
+        (DeepseekV32Config, None, "softmax"),  # vLLM's DeepSeek default
+        (DeepseekV32Config, "sigmoid", "sigmoid"),  # DeepSeek-V3.2's config.json
+    ],
+)
+def test_router_scoring(config_class, key, scoring):
+    kwargs = {} if key is None else {"scoring_func": key}
+    config = config_class(**kwargs)
+    assert ("scoring_func" in config.to_dict()) == (key is not None)
+    assert _scoring(config) == scoring
 
 
 @pytest.mark.parametrize(
@@ -55,3 +76,4 @@ def test_mtp_draft_keeps_the_targets_style(config_class, neox):
     draft = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
     assert draft.model_type == "deepseek_mtp"
     assert _neox(draft) is neox
+    assert _scoring(draft) == ("softmax" if neox else "sigmoid")
