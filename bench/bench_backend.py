@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import torch
 from triton.testing import do_bench
-
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (
     TritonMLASparseImpl,

@@ -42,11 +42,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONVERTER = REPO / "tests" / "gguf" / "llama_cpp_convert.py"
+if str(REPO / "tests") not in sys.path:  # run as a script: the test support package
+    sys.path.insert(0, str(REPO / "tests"))
 
-LLAMA_CPP_PYTHON_SDIST = "llama_cpp_python-0.3.36.tar.gz"
-LLAMA_CPP_PYTHON_SHA256 = (
-    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-)
+from support.llama_cpp_sdist import extract_converter, sdist  # noqa: E402
 
 # Types written by the converter, then types made by llama.cpp's quantizer.
 CONVERTED = ("f32", "f16", "bf16", "q8_0")
@@ -221,27 +220,12 @@ def build_checkpoint(spec: ModelSpec, path: Path) -> None:
         hidden = geometry["hidden_size"]
         for layer in range(spec.layers, total):
             prefix = f"model.layers.{layer}."
-            state[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
+            eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
+            state[prefix + "eh_proj.weight"] = eh_proj
             for norm in ("enorm", "hnorm", "shared_head.norm"):
                 state[prefix + norm + ".weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
         save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     _tokenizer(path)
-
-
-def _extract_converter(sdist: Path, dest: Path) -> Path:
-    parts = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-    root = None
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            top, _, rest = member.name.partition("/vendor/llama.cpp/")
-            if rest and rest.startswith(parts):
-                root = dest / top / "vendor" / "llama.cpp"
-                members.append(member)
-        tar.extractall(dest, members=members, filter="data")
-    if root is None or not (root / "convert_hf_to_gguf.py").is_file():
-        raise SystemExit(f"{sdist.name} has no vendor/llama.cpp converter")
-    return root
 
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
@@ -268,13 +252,6 @@ def tensor_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
-def llama_cpp_sdist() -> Path:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from patchseries.fetch import fetch_file
-
-    return fetch_file("llama-cpp-python", LLAMA_CPP_PYTHON_SDIST, LLAMA_CPP_PYTHON_SHA256)
-
-
 def converter_dir(work: Path) -> Path:
     """llama.cpp's converter: E2E_LLAMA_CPP (an archive of it) or the sdist."""
     archive = os.environ.get("E2E_LLAMA_CPP")
@@ -284,12 +261,12 @@ def converter_dir(work: Path) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
         return work / "llama.cpp"
-    return _extract_converter(llama_cpp_sdist(), work)
+    return extract_converter(sdist(), work)
 
 
 def write_converter_archive(dest: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        root = _extract_converter(llama_cpp_sdist(), Path(tmp))
+        root = extract_converter(sdist(), Path(tmp))
         with tarfile.open(dest, "w:gz") as tar:
             tar.add(root, arcname="llama.cpp")
 
@@ -300,7 +277,7 @@ def build_llama_cpp_wheel(dest: Path) -> None:
     env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF "
                "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(dest),
-                    str(llama_cpp_sdist())], env=env, check=True)
+                    str(sdist())], env=env, check=True)
 
 
 def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED) -> dict:
@@ -325,7 +302,9 @@ def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED) -> dict:
         build_checkpoint(spec, hf)
         if converter is None:
             converter = converter_dir(out / "_llama_cpp")
-        converted = [t for t in CONVERTED if t in types or (t == "f32" and set(types) & set(QUANTIZED))]
+        # F32 is the quantizer's input.
+        needs_f32 = bool(set(types) & set(QUANTIZED))
+        converted = [t for t in CONVERTED if t in types or (t == "f32" and needs_f32)]
         jobs = [{"model": str(hf), "outtype": t, "outfile": str(mdir / f"{spec.name}-{t}.gguf")}
                 for t in converted]
         (mdir / "jobs.json").write_text(json.dumps(jobs))

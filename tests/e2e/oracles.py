@@ -103,19 +103,32 @@ def hf_state_from_gguf(path: Path, config) -> dict[str, torch.Tensor]:
     return state
 
 
+def transformers_class(hf_dir: Path):
+    """transformers' own model class for a checkpoint, by its architecture
+    (not through the Auto registries, where vLLM registers config classes
+    of its own for some of these model types)."""
+    import json
+
+    import transformers
+
+    architecture = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, architecture)
+
+
 def transformers_model(hf_dir: Path, gguf_path: Path, device: str = "cpu"):
     """transformers in fp32 (eager attention) with the GGUF file's weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_dir)
+    model_class = transformers_class(hf_dir)
+    config = model_class.config_class.from_pretrained(hf_dir)
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class(config).to(torch.float32)
     state = hf_state_from_gguf(gguf_path, config)
     expected = model.state_dict()  # parameters and persistent buffers
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
-        raise KeyError(f"{gguf_path.name}: parameters missing {missing[:8]}, unexpected {extra[:8]}")
+        raise KeyError(
+            f"{gguf_path.name}: parameters missing {missing[:8]}, unexpected {extra[:8]}"
+        )
     for name, param in expected.items():
         if tuple(param.shape) != tuple(state[name].shape):
             raise ValueError(f"{gguf_path.name}: {name} is {tuple(state[name].shape)}, "

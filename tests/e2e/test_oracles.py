@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import prompts
-from oracles import transformers_logprobs, transformers_model
-from transformers import AutoModelForCausalLM
-
-from cases import models
+from cases import models, prompts
+from oracles import transformers_class, transformers_logprobs, transformers_model
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +22,8 @@ def test_transformers_oracle_rebuilds_the_checkpoint(f32_models, name):
     out, manifest = f32_models
     entry = manifest["models"][name]
     hf, gguf = out / name / entry["hf"], out / name / entry["gguf"]["f32"]
-    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+    reference = transformers_class(hf).from_pretrained(
+        hf, dtype=torch.float32, attn_implementation="eager").eval()
     oracle = transformers_model(hf, gguf)
     for (n, a), (_, b) in zip(sorted(reference.state_dict().items()),
                               sorted(oracle.state_dict().items()), strict=True):

@@ -39,7 +39,8 @@ def server(manifest, tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(HERE / "report_sm"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(gguf),
-           "--hf-config-path", str(hf), "--tokenizer", str(hf), "--served-model-name", MODEL, "--dtype", "float16",
+           "--hf-config-path", str(hf), "--tokenizer", str(hf), "--served-model-name", MODEL,
+           "--dtype", "float16",
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
     with open(log_path, "w") as log:

@@ -7,19 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-LLAMA_CPP_PYTHON = "llama-cpp-python"
-LLAMA_CPP_PYTHON_SDIST = "llama_cpp_python-0.3.36.tar.gz"
-LLAMA_CPP_PYTHON_SHA256 = (
-    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-)
-# What the converter needs from the sdist, relative to its llama.cpp dir.
-_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+from gguf_checks import GLM52_INDEXER_TYPES
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,9 +37,6 @@ _COMMON = dict(
 _DSA = dict(index_n_heads=4, index_head_dim=128, index_topk=16)
 
 
-# GLM-5.2's layout in small: full first layers, then shared ones reusing
-# the previous full layer's top-k.
-GLM52_INDEXER_TYPES = ["full", "full", "shared", "full", "shared"]
 
 
 @dataclass(frozen=True)
@@ -58,30 +47,11 @@ class Checkpoint:
     num_mtp_layers: int
 
 
-def _extract_converter(sdist: Path, dest: Path) -> Path:
-    root = None
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            top, _, rest = member.name.partition("/vendor/llama.cpp/")
-            if rest and rest.startswith(_CONVERTER_PARTS):
-                root = dest / top / "vendor" / "llama.cpp"
-                members.append(member)
-        tar.extractall(dest, members=members, filter="data")
-    assert root is not None and (root / "convert_hf_to_gguf.py").is_file(), (
-        f"{sdist.name} has no vendor/llama.cpp converter"
-    )
-    return root
-
-
 @pytest.fixture(scope="session")
 def llama_cpp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from patchseries.fetch import fetch_file
+    from support.llama_cpp_sdist import extract_converter, sdist
 
-    sdist = fetch_file(
-        LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON_SDIST, LLAMA_CPP_PYTHON_SHA256
-    )
-    return _extract_converter(sdist, tmp_path_factory.mktemp("llama_cpp"))
+    return extract_converter(sdist(), tmp_path_factory.mktemp("llama_cpp"))
 
 
 def _save_glm(path: Path, indexer_types: list[str] | None = None) -> Checkpoint:

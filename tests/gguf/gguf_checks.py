@@ -13,6 +13,10 @@ import torch
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 
+# GLM-5.2's layout in small: full first layers, then shared ones reusing
+# the previous full layer's top-k.
+GLM52_INDEXER_TYPES = ["full", "full", "shared", "full", "shared"]
+
 
 @dataclass
 class Loaded:

@@ -253,7 +253,7 @@ def test_glm52_shared_layers_reuse_the_previous_topk(
     """#15.3: GLM-5.2's indexer_types marks layers "shared": no indexer
     tensors in the GGUF, the layer skips the top-k and reuses the buffer
     of the previous full layer."""
-    from conftest import GLM52_INDEXER_TYPES
+    from gguf_checks import GLM52_INDEXER_TYPES
 
     checkpoint = checkpoints["glm52"]
     model = load_model(gguf_files[("glm52", "f16")], checkpoint.path)
