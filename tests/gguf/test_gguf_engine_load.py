@@ -116,7 +116,13 @@ def load_model(monkeypatch_module):
     # (FlashInfer's would reorder it after loading).
     monkeypatch_module.setenv("VLLM_USE_FLASHINFER_MOE_FP16", "0")
 
-    def load(path: Path, hf_dir: Path):
+    def load(path: Path, hf_dir: Path, mtp: bool = False):
+        """mtp: then load the MTP draft of the file, as the engine does:
+        the target first, then the draft with the draft's model config and
+        the same VllmConfig (its quant config and layer names included)."""
+        from vllm.config import ParallelConfig
+        from vllm.config.speculative import SpeculativeConfig
+
         with _cuda_on_cpu():
             model_config = ModelConfig(
                 model=str(path),
@@ -128,10 +134,19 @@ def load_model(monkeypatch_module):
                 max_model_len=256,
                 enforce_eager=True,
             )
+            speculative_config = None
+            if mtp:
+                speculative_config = SpeculativeConfig(
+                    method="mtp",
+                    num_speculative_tokens=1,
+                    target_model_config=model_config,
+                    target_parallel_config=ParallelConfig(),
+                )
             vllm_config = VllmConfig(
                 model_config=model_config,
                 load_config=LoadConfig(load_format="gguf"),
                 device_config=DeviceConfig("cpu"),
+                speculative_config=speculative_config,
             )
             with set_current_vllm_config(vllm_config):
                 if not parallel_state.model_parallel_is_initialized():
@@ -144,7 +159,11 @@ def load_model(monkeypatch_module):
                     )
                     parallel_state.initialize_model_parallel(1, 1)
                 loader = GGUFModelLoader(vllm_config.load_config)
-                return loader.load_model(vllm_config, model_config)
+                model = loader.load_model(vllm_config, model_config)
+                if mtp:
+                    draft_config = speculative_config.draft_model_config
+                    model = loader.load_model(vllm_config, draft_config)
+                return model
 
     yield load
     parallel_state.destroy_model_parallel()
@@ -295,3 +314,56 @@ def test_indexer_rope_style_of_the_built_model(
         attn = layer.self_attn
         assert attn.indexer_rope_emb.is_neox_style is neox, i
         assert attn.rotary_emb.is_neox_style is False, i  # MLA's own RoPE
+
+
+@pytest.mark.parametrize(
+    "name, variant", [("glm", "f16"), ("glm", "q8_0"), ("glm52", "f16")]
+)
+def test_mtp_draft_loads_the_nextn_block(
+    checkpoints, gguf_files, load_model, name, variant
+):
+    """MTP speculative decoding: the proposer asks the loader for the draft's
+    model config while the VllmConfig is the target's. The GGUF loader built
+    the target's model class from the VllmConfig instead, so the engine
+    stopped with "Duplicate layer name: model.layers.0...." (found on the
+    GPU). The draft must be DeepSeek's MTP model holding the NextN block,
+    with the file's embedding and output head (float files: as stored;
+    quantized ones: the head stays quantized, the block's embedding, built
+    without quant_config, dequantized)."""
+    checkpoint = checkpoints[name]
+    model = load_model(gguf_files[(name, variant)], checkpoint.path, mtp=True)
+    state = load_file(checkpoint.path / "model.safetensors")
+    assert type(model).__name__ == "DeepSeekMTP"
+    mtp = checkpoint.num_hidden_layers
+    layers = model.model.layers
+    assert list(layers) == [str(mtp)], list(layers)
+    layer = layers[str(mtp)]
+    expected = {
+        "eh_proj.weight": state[f"model.layers.{mtp}.eh_proj.weight"],
+        "enorm.weight": state[f"model.layers.{mtp}.enorm.weight"],
+        "hnorm.weight": state[f"model.layers.{mtp}.hnorm.weight"],
+        # the checkpoint's block has no copies: the file's shared tensors
+        "embed": state["model.embed_tokens.weight"],
+        "head": state["lm_head.weight"],
+    }
+    got = {
+        "eh_proj.weight": layer.eh_proj.weight,
+        "enorm.weight": layer.enorm.weight,
+        "hnorm.weight": layer.hnorm.weight,
+        "embed": model.model.embed_tokens.weight,
+    }
+    head = layer.shared_head.head
+    if variant == "f16":
+        got["head"] = head.weight
+    else:
+        qweight, qtype = head.qweight, int(head.qweight_type)
+        got["head"] = _q8_0_dequant(qweight.data.contiguous(), qtype)
+    for key, ref in expected.items():
+        value = got[key].float()
+        assert value.shape == ref.shape, key
+        if variant == "f16" or key.endswith("norm.weight"):
+            assert torch.equal(value, ref.half().float()), key
+        else:
+            # Q8_0, then fp16 where the block holds float weights
+            err = (value.double() - ref.double()).abs()
+            assert (err <= q8_0_bound(ref) + ref.double().abs() * 2.0**-11).all(), key
