@@ -58,13 +58,15 @@ CHAT_TOKENS = {"user": 2, "assistant": 3, "end": 4}
 FIRST_TEXT_TOKEN = 8
 
 # Bump when the recipe below changes, so cached models are rebuilt.
-RECIPE = 5
+RECIPE = 6
 
 _COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=256,
     intermediate_size=512,
-    moe_intermediate_size=256,
+    # 512: each of two tensor-parallel ranks still holds whole 256-wide K-quant
+    # blocks of the experts' down projection (real models: 2048 and more).
+    moe_intermediate_size=512,
     n_routed_experts=8,
     n_shared_experts=1,
     num_experts_per_tok=2,

@@ -145,6 +145,15 @@ def transformers_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
+def greedy_gaps(logprobs: torch.Tensor, prompt_len: int, generated: list[int]) -> torch.Tensor:
+    """How far (nats) each generated token is below the oracle's top-1 at its
+    position; logprobs: the oracle's over prompt + generated. 0 where the
+    engine chose the oracle's top-1."""
+    lp = logprobs[prompt_len - 1 : prompt_len - 1 + len(generated)]
+    chosen = lp.gather(1, torch.tensor(generated)[:, None])[:, 0]
+    return lp.max(-1).values - chosen
+
+
 def llama_cpp_logprobs(gguf_path: Path, tokens: list[int], threads: int = 4) -> torch.Tensor:
     from llama_cpp import Llama
 

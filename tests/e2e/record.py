@@ -11,7 +11,24 @@ from pathlib import Path
 
 def _fig(m: dict) -> str:
     greedy = "-" if m.get("greedy") is None else f"{m['greedy']:.3f}"
+    if m.get("greedy_strict") is not None:
+        greedy += f" ({m['greedy_strict']:.3f})"
     return f"{m['mean']:.3f} / {m['p90']:.3f} / {m['top1']:.3f} / {greedy}"
+
+
+def _tp(r: dict) -> str:
+    d = r.get("vs_tp1")
+    return "" if d is None else f"{d['mean']:.4f} / {d['p90']:.4f} / {d['greedy_equal']:.3f}"
+
+
+def _greedy_note(rows: list[dict]) -> str:
+    if any("near_tie" in r["vs_transformers"] for r in rows):
+        return ("share of greedy tokens that are the oracle's top-1 on the engine's own "
+                "prefix or within the peer's p90 of it (in parentheses: the oracle's "
+                "top-1 exactly; transformers only)")
+    # records written before test_engine.py judged near-ties
+    return ("share of greedy tokens that are the oracle's top-1 on the engine's own "
+            "prefix (transformers only)")
 
 
 def render(rows: list[dict]) -> str:
@@ -24,12 +41,13 @@ def render(rows: list[dict]) -> str:
         f"- vLLM {first.get('vllm')} (the series' wheel); torch {first.get('torch')}; "
         f"triton {first.get('triton')}",
         "- figures against each oracle: mean / p90 |d logprob| of the prompt's next "
-        "tokens (nats), top-1 agreement, share of greedy tokens that are the "
-        "oracle's top-1 on the engine's own prefix (transformers only)",
+        "tokens (nats), top-1 agreement, " + _greedy_note(rows),
+        "- TP > 1: mean / p90 |d logprob| against the same file's triton-fp16 run at "
+        "TP 1, share of equal greedy tokens",
         "",
         "| model | GGUF | path | TP | backend, dtype, indexer | vs transformers fp32 | "
-        "vs llama.cpp | MTP | start s | pass |",
-        "|---|---|---|---:|---|---|---|---|---:|---|",
+        "vs llama.cpp | MTP | vs TP 1 | start s | pass |",
+        "|---|---|---|---:|---|---|---|---|---|---:|---|",
     ]
     for r in rows:
         mtp = ""
@@ -39,7 +57,7 @@ def render(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['gguf_type']} | {r['path']} | {r.get('tp', 1)} | "
             f"{r['backend']}, {r['dtype']}, {r['indexer']} | {_fig(r['vs_transformers'])} | "
-            f"{_fig(r['vs_llama_cpp'])} | {mtp} | {r['start_s']} | "
+            f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | {r['start_s']} | "
             f"{'yes' if r.get('passed') else 'NO'} |"
         )
     return "\n".join(lines) + "\n"

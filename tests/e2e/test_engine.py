@@ -9,7 +9,8 @@ the series' paths must do as well as it does against the same oracles:
     mean |d logprob| <= 1.5 x peer + 0.01      (teacher-forced prompt tokens)
     p90  |d logprob| <= 1.5 x peer + 0.02
     top-1 agreement  >= peer - 0.03
-    greedy tokens that are the oracle's top-1 on the engine's own prefix
+    greedy tokens that are the oracle's top-1 on the engine's own prefix, or
+    within the peer's p90 of it (a near-tie upstream's rounding flips too)
                      >= peer - 0.05
 
 plus an absolute floor against a broken peer (top-1 agreement >= 0.8).
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from cases import HERE, model_paths, prompts
-from oracles import llama_cpp_logprobs, transformers_logprobs, transformers_model
+from oracles import greedy_gaps, llama_cpp_logprobs, transformers_logprobs, transformers_model
 
 pytestmark = pytest.mark.gpu
 
@@ -47,6 +48,10 @@ PATHS: dict[str, tuple[dict, dict]] = {
     # selection, the Triton indexer, SM12x kernel tables); --dtype float16 as
     # the README says (GGUF refuses bf16 on Blackwell)
     "auto-sm120": ({"dtype": "float16"}, {"E2E_REPORT_SM": "12.0"}),
+    # tensor parallel 2 on two GPUs of one host (the test models' 4 heads and
+    # their experts split evenly); held to TP 1 on the same file
+    "triton-fp16-tp2": ({"dtype": "float16", **_TRITON, "tensor_parallel_size": 2},
+                        _TRITON_ENV),
     # MTP speculative decoding from the GGUF's NextN block
     "triton-fp16-mtp": ({"dtype": "float16", **_TRITON,
                          "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
@@ -60,6 +65,7 @@ EXPECT = {
     "triton-bf16": ("TRITON_MLA_SPARSE", "bfloat16", "triton"),
     "auto-sm120": ("TRITON_MLA_SPARSE", "float16", "triton"),
     "triton-fp16-mtp": ("TRITON_MLA_SPARSE", "float16", "triton"),
+    "triton-fp16-tp2": ("TRITON_MLA_SPARSE", "float16", "triton"),
 }
 # (model, GGUF type) -> the series' paths run on it; upstream's peer runs on
 # every one of them.
@@ -67,12 +73,12 @@ GROUPS = {
     ("glm5", "f16"): ["triton-fp16", "auto-sm120", "triton-fp16-mtp"],
     ("glm5", "bf16"): ["triton-bf16"],
     ("glm5", "q8_0"): ["triton-fp16", "triton-bf16"],
-    ("glm5", "q4_k_m"): ["triton-fp16", "auto-sm120"],
+    ("glm5", "q4_k_m"): ["triton-fp16", "auto-sm120", "triton-fp16-tp2"],
     ("glm5", "q5_k_m"): ["triton-fp16"],
     ("glm5", "q6_k"): ["triton-fp16"],
     ("glm52", "f16"): ["triton-fp16", "auto-sm120"],
     ("glm52", "q4_k_m"): ["triton-fp16"],
-    ("dsv32", "f16"): ["triton-fp16", "auto-sm120"],
+    ("dsv32", "f16"): ["triton-fp16", "auto-sm120", "triton-fp16-tp2"],
     ("dsv32", "q8_0"): ["triton-fp16", "triton-bf16"],
 }
 if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
@@ -81,16 +87,22 @@ if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
 CASES = [(m, t, p) for (m, t), paths in GROUPS.items() for p in [PEER, *paths]]
 
 
+def tensor_parallel(path: str) -> int:
+    return PATHS[path][0].get("tensor_parallel_size", 1)
+
+
 def run_engine(tmp_path: Path, hf: Path, gguf: Path, path: str) -> dict:
     llm_args, env_extra = PATHS[path]
     case = {
         "gguf": str(gguf), "hf": str(hf), "prompts": prompts(), "max_tokens": MAX_TOKENS,
-        # Several engines share the GPU in one test session: size the KV
-        # cache instead of profiling a share of the GPU's memory.
+        # Several engines (and other test files) share the GPU in one test
+        # session: size the KV cache instead of profiling a share of the GPU's
+        # memory, and ask for 5 % of it free at start (vLLM checks that share
+        # even when the KV cache is sized).
         # max_num_seqs: the tests send 2 prompts; fewer CUDA graph sizes to
         # capture, CUDA graphs still on.
-        "llm": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 4,
-                **llm_args},
+        "llm": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 30,
+                "gpu_memory_utilization": 0.05, "max_num_seqs": 4, **llm_args},
     }
     stem = f"{gguf.stem}-{path}"
     case_file, out_file = tmp_path / f"{stem}.json", tmp_path / f"{stem}.out.json"
@@ -122,32 +134,49 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, path: str) -> dict:
 
 
 def compare(result: dict, oracle: list[torch.Tensor],
-            greedy_oracle: list[torch.Tensor] | None) -> dict:
-    """Engine against one oracle's teacher-forced log-probabilities (and, with
-    greedy_oracle, its log-probabilities over prompt + the engine's tokens)."""
-    diffs, agree, greedy_ok, greedy_n = [], 0, 0, 0
-    for i, (prompt, res, lp) in enumerate(zip(prompts(), result["prompts"], oracle)):
+            greedy_oracle: list[torch.Tensor] | None, near_tie: float | None = None) -> dict:
+    """Engine against one oracle's teacher-forced log-probabilities and, with
+    greedy_oracle (its log-probabilities over prompt + the engine's tokens),
+    the greedy tokens: a token counts when it is the oracle's top-1 or within
+    near_tie nats of it (default: this run's own p90 |d logprob|). Greedy
+    continuations of tiny models repeat themselves, so one near-tie can recur
+    several times: the strict share and the gaps of the misses are kept."""
+    diffs, agree = [], 0
+    for prompt, res, lp in zip(prompts(), result["prompts"], oracle):
         target = torch.tensor(prompt[1:])
         ref = lp[:-1].gather(1, target[:, None])[:, 0]
         got = torch.tensor(res["prompt_logprob"])
         assert torch.isfinite(got).all(), "engine returned non-finite log-probabilities"
         diffs.append((got - ref).abs())
         agree += (torch.tensor(res["prompt_top1"]) == lp[:-1].argmax(-1)).sum().item()
-        if greedy_oracle is None:
-            continue
-        n = len(prompt)
-        gen = torch.tensor(res["generated"])
-        best = greedy_oracle[i][n - 1 : n - 1 + len(gen)].argmax(-1)
-        greedy_ok += (best == gen).sum().item()
-        greedy_n += len(gen)
     d = torch.cat(diffs)
-    return {
+    out = {
         "mean": round(d.mean().item(), 4),
         "p90": round(d.quantile(0.9).item(), 4),
         "max": round(d.max().item(), 4),
         "top1": round(agree / len(d), 4),
-        "greedy": round(greedy_ok / greedy_n, 4) if greedy_n else None,
+        "greedy": None,
     }
+    if greedy_oracle is not None:
+        tie = out["p90"] if near_tie is None else near_tie
+        gaps = torch.cat([greedy_gaps(lp, len(p), r["generated"])
+                          for p, r, lp in zip(prompts(), result["prompts"], greedy_oracle)])
+        out.update(greedy=round((gaps <= tie).float().mean().item(), 4),
+                   greedy_strict=round((gaps == 0).float().mean().item(), 4),
+                   near_tie=tie, greedy_miss_gaps=[round(g, 3) for g in gaps[gaps > 0].tolist()])
+    return out
+
+
+def drift(res: dict, base: dict) -> dict:
+    """Two engine runs on the same file: |d logprob| of the prompt tokens and
+    the share of greedy tokens that are equal."""
+    d = torch.cat([(torch.tensor(a["prompt_logprob"]) - torch.tensor(b["prompt_logprob"])).abs()
+                   for a, b in zip(res["prompts"], base["prompts"])])
+    same = sum(x == y for a, b in zip(res["prompts"], base["prompts"])
+               for x, y in zip(a["generated"], b["generated"]))
+    total = sum(len(a["generated"]) for a in res["prompts"])
+    return {"mean": round(d.mean().item(), 4), "p90": round(d.quantile(0.9).item(), 4),
+            "max": round(d.max().item(), 4), "greedy_equal": round(same / total, 4)}
 
 
 def check_bar(ours: dict, peer: dict) -> list[str]:
@@ -171,8 +200,13 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
     models leave the GPU mostly idle, and each engine is its own process."""
     tmp = tmp_path_factory.mktemp("engine")
 
+    gpus = torch.cuda.device_count()
+
     def one(case):
         model, gguf_type, path = case
+        if tensor_parallel(path) > gpus:
+            return case, {"skip": f"{path} needs {tensor_parallel(path)} GPUs, this host has "
+                                  f"{gpus}"}
         hf, gguf = model_paths(manifest, model, gguf_type)
         return case, run_engine(tmp, hf, gguf, path)
 
@@ -196,33 +230,51 @@ def oracles_for(manifest, model: str, gguf_type: str):
     return _oracle_cache[key]
 
 
-def judge(manifest, model: str, gguf_type: str, res: dict) -> dict:
+def judge(manifest, model: str, gguf_type: str, res: dict,
+          near_tie: float | None = None) -> dict:
     tf, tf_prompt, lc_prompt = oracles_for(manifest, model, gguf_type)
     seqs = [p + r["generated"] for p, r in zip(prompts(), res["prompts"])]
     tf_gen = [transformers_logprobs(tf, s) for s in seqs]
     # llama.cpp is compared on the prompts only (its greedy check would cost
     # one CPU pass per path and sequence).
-    return {"vs_transformers": compare(res, tf_prompt, tf_gen),
+    return {"vs_transformers": compare(res, tf_prompt, tf_gen, near_tie),
             "vs_llama_cpp": compare(res, lc_prompt, None)}
+
+
+def judged_peer(engine_runs, manifest, model: str, gguf_type: str) -> dict:
+    """The peer's run on this file, judged (its greedy near-tie: its own p90)."""
+    peer = engine_runs[(model, gguf_type, PEER)]
+    if "prompts" in peer and "vs_transformers" not in peer:
+        peer.update(judge(manifest, model, gguf_type, peer))
+    return peer
 
 
 @pytest.mark.parametrize("model, gguf_type, path", CASES,
                          ids=[f"{m}-{t}-{p}" for m, t, p in CASES])
 def test_engine_matches_oracles(engine_runs, manifest, record, model, gguf_type, path):
     res = engine_runs[(model, gguf_type, path)]
+    if "skip" in res:
+        pytest.skip(res["skip"])
     if "error" in res:
         pytest.fail(res["error"])
-    res.update(judge(manifest, model, gguf_type, res))
+    peer = judged_peer(engine_runs, manifest, model, gguf_type)
+    if path != PEER:
+        # Ours are held to the peer's near-tie: the same rounding scale.
+        near_tie = peer["vs_transformers"]["p90"] if "vs_transformers" in peer else None
+        res.update(judge(manifest, model, gguf_type, res, near_tie))
     failures = []
     backend, dtype, indexer = EXPECT[path]
     chose = (res["backend"], res["dtype"], res["indexer"])
     if chose != (backend, dtype, indexer):
         failures.append(f"chose {chose}, expected {(backend, dtype, indexer)}")
     row = {"model": model, "gguf_type": gguf_type,
-           "types": manifest["models"][model]["types"][gguf_type], "path": path, "tp": 1,
+           "types": manifest["models"][model]["types"][gguf_type], "path": path,
+           "tp": tensor_parallel(path),
            "backend": res["backend"], "dtype": res["dtype"], "indexer": res["indexer"],
            "start_s": res["start_s"], "vs_transformers": res["vs_transformers"],
-           "vs_llama_cpp": res["vs_llama_cpp"]}
+           "vs_llama_cpp": res["vs_llama_cpp"],
+           # for re-analysis on a CPU (tests/e2e/oracles.py)
+           "generated": [r["generated"] for r in res["prompts"]]}
     if path.endswith("-mtp"):
         base = engine_runs.get((model, gguf_type, "triton-fp16"), {})
         same = "prompts" in base and all(
@@ -236,17 +288,29 @@ def test_engine_matches_oracles(engine_runs, manifest, record, model, gguf_type,
             failures.append("greedy output differs from triton-fp16 without speculation")
         if not drafts:
             failures.append(f"no draft tokens were proposed ({spec})")
+    if tensor_parallel(path) > 1:
+        # TP changes the order of the reductions (and, in quantized GGUF
+        # matmuls, how activations round to 8 bits): the distance to TP 1 is
+        # held to the suite's bar on upstream's bf16 distance from fp32.
+        base = engine_runs.get((model, gguf_type, "triton-fp16"), {})
+        if "prompts" not in base or "vs_transformers" not in peer:
+            failures.append("no bar: triton-fp16 at TP 1 or the peer failed")
+        else:
+            row["vs_tp1"] = drift(res, base)
+            bar = peer["vs_transformers"]
+            for key, slack in (("mean", 0.01), ("p90", 0.02)):
+                if row["vs_tp1"][key] > 1.5 * bar[key] + slack:
+                    failures.append(f"TP {tensor_parallel(path)} vs TP 1: {key} "
+                                    f"{row['vs_tp1'][key]} > 1.5 x the peer's {bar[key]} "
+                                    f"vs fp32 + {slack}")
     if path == PEER:
         if res["vs_transformers"]["top1"] < 0.8:
             failures.append(f"peer top-1 {res['vs_transformers']['top1']} < 0.8: model or "
                             "oracle broken")
     else:
-        peer = engine_runs[(model, gguf_type, PEER)]
-        if "error" in peer:
+        if "vs_transformers" not in peer:
             failures.append("no bar: the peer failed")
         else:
-            if "vs_transformers" not in peer:
-                peer.update(judge(manifest, model, gguf_type, peer))
             for oracle in ("vs_transformers", "vs_llama_cpp"):
                 failures += [f"{oracle}: {m}" for m in check_bar(res[oracle], peer[oracle])]
     row["passed"] = not failures

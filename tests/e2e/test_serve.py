@@ -16,12 +16,17 @@ import pytest
 import requests
 import torch
 from cases import HERE, model_paths, prompts
-from oracles import transformers_logprobs, transformers_model
+from oracles import greedy_gaps, transformers_logprobs, transformers_model
 
 pytestmark = pytest.mark.gpu
 
 MODEL, GGUF_TYPE = "glm5", "q4_k_m"
 MAX_TOKENS = 16
+# A greedy token within this many nats of the oracle's top-1 is a near-tie
+# that rounding may flip: upstream's bf16 path is p90 0.10-0.15 nats from
+# fp32 on these models (tests/e2e/results, the peer rows; test_engine.py
+# takes the figure of the same run instead).
+NEAR_TIE = 0.15
 
 
 def _free_port() -> int:
@@ -42,7 +47,9 @@ def server(manifest, tmp_path_factory):
            "--hf-config-path", str(hf), "--tokenizer", str(hf), "--served-model-name", MODEL,
            "--dtype", "float16",
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-           "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+           "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0",
+           # other test files share the GPU (see test_engine.run_engine)
+           "--gpu-memory-utilization", "0.05"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -77,9 +84,9 @@ def oracle(server):
 
 
 def _greedy_agreement(oracle, prompt: list[int], generated: list[int]) -> float:
-    lp = transformers_logprobs(oracle, prompt + generated)
-    best = lp[len(prompt) - 1 : len(prompt) - 1 + len(generated)].argmax(-1)
-    return (best == torch.tensor(generated)).float().mean().item()
+    gaps = greedy_gaps(transformers_logprobs(oracle, prompt + generated), len(prompt), generated)
+    print(f"greedy: {(gaps == 0).float().mean():.3f} exact, misses {gaps[gaps > 0].tolist()}")
+    return (gaps <= NEAR_TIE).float().mean().item()
 
 
 def _ids(hf, text: str) -> list[int]:
