@@ -25,7 +25,7 @@ def _greedy_note(rows: list[dict]) -> str:
     if any("near_tie" in r["vs_transformers"] for r in rows):
         return ("share of greedy tokens that are the oracle's top-1 on the engine's own "
                 "prefix or within the peer's p90 of it (in parentheses: the oracle's "
-                "top-1 exactly; transformers only)")
+                "top-1 exactly)")
     # records written before test_engine.py judged near-ties
     return ("share of greedy tokens that are the oracle's top-1 on the engine's own "
             "prefix (transformers only)")

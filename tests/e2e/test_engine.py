@@ -230,15 +230,20 @@ def oracles_for(manifest, model: str, gguf_type: str):
     return _oracle_cache[key]
 
 
-def judge(manifest, model: str, gguf_type: str, res: dict,
-          near_tie: float | None = None) -> dict:
+def judge(manifest, model: str, gguf_type: str, res: dict, peer: dict | None = None) -> dict:
+    """res against both oracles; greedy near-ties at the peer's p90 against
+    the same oracle (the peer itself: its own)."""
     tf, tf_prompt, lc_prompt = oracles_for(manifest, model, gguf_type)
+    _, gguf = model_paths(manifest, model, gguf_type)
     seqs = [p + r["generated"] for p, r in zip(prompts(), res["prompts"])]
     tf_gen = [transformers_logprobs(tf, s) for s in seqs]
-    # llama.cpp is compared on the prompts only (its greedy check would cost
-    # one CPU pass per path and sequence).
-    return {"vs_transformers": compare(res, tf_prompt, tf_gen, near_tie),
-            "vs_llama_cpp": compare(res, lc_prompt, None)}
+    lc_gen = [llama_cpp_logprobs(gguf, s) for s in seqs]
+
+    def tie(oracle: str) -> float | None:
+        return peer[oracle]["p90"] if peer and oracle in peer else None
+
+    return {"vs_transformers": compare(res, tf_prompt, tf_gen, tie("vs_transformers")),
+            "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"))}
 
 
 def judged_peer(engine_runs, manifest, model: str, gguf_type: str) -> dict:
@@ -260,8 +265,7 @@ def test_engine_matches_oracles(engine_runs, manifest, record, model, gguf_type,
     peer = judged_peer(engine_runs, manifest, model, gguf_type)
     if path != PEER:
         # Ours are held to the peer's near-tie: the same rounding scale.
-        near_tie = peer["vs_transformers"]["p90"] if "vs_transformers" in peer else None
-        res.update(judge(manifest, model, gguf_type, res, near_tie))
+        res.update(judge(manifest, model, gguf_type, res, peer))
     failures = []
     backend, dtype, indexer = EXPECT[path]
     chose = (res["backend"], res["dtype"], res["indexer"])
