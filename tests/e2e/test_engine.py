@@ -138,9 +138,10 @@ def compare(result: dict, oracle: list[torch.Tensor],
     """Engine against one oracle's teacher-forced log-probabilities and, with
     greedy_oracle (its log-probabilities over prompt + the engine's tokens),
     the greedy tokens: a token counts when it is the oracle's top-1 or within
-    near_tie nats of it (default: this run's own p90 |d logprob|). Greedy
-    continuations of tiny models repeat themselves, so one near-tie can recur
-    several times: the strict share and the gaps of the misses are kept."""
+    near_tie nats of it (default: this run's own p90 |d logprob|): the test
+    models' continuations have near-ties (margins down to 0.01 nats) that
+    rounding flips on any path. The strict share and the gaps of the misses
+    are kept."""
     diffs, agree = [], 0
     for prompt, res, lp in zip(prompts(), result["prompts"], oracle):
         target = torch.tensor(prompt[1:])
