@@ -138,6 +138,49 @@ def transformers_model(hf_dir: Path, gguf_path: Path, device: str = "cpu"):
 
 
 @torch.no_grad()
+def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
+    """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
+    MTP drafter runs it: entry i is its guess for tokens[i + 2], from the
+    target's final (normed) hidden state at i and the embedding of
+    tokens[i + 1]. transformers does not model the block; the checkpoint
+    stores it as layer num_hidden_layers (an ordinary decoder layer) plus
+    eh_proj, enorm, hnorm and shared_head.norm."""
+    from safetensors.torch import load_file
+
+    model_class = transformers_class(hf_dir)
+    config = model_class.config_class.from_pretrained(hf_dir)
+    n = config.num_hidden_layers
+    target = model_class.from_pretrained(hf_dir, dtype=torch.float32,
+                                         attn_implementation="eager").eval()
+    # The block as one more layer (per-layer lists extended), then alone.
+    fields = {k: v + v[-1:] if isinstance(v, list) and len(v) == n else v
+              for k, v in config.to_dict().items()}
+    block = model_class.from_pretrained(
+        hf_dir, config=model_class.config_class(**{**fields, "num_hidden_layers": n + 1}),
+        dtype=torch.float32, attn_implementation="eager").eval()
+    block.model.layers = torch.nn.ModuleList([block.model.layers[n]])
+    for key, value in list(vars(block.config).items()):
+        if isinstance(value, list) and len(value) == n + 1:
+            setattr(block.config, key, value[n:])
+    block.config.num_hidden_layers = 1
+    state = load_file(hf_dir / "model.safetensors")
+
+    def w(name: str) -> torch.Tensor:
+        return state[f"model.layers.{n}.{name}"]
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * weight
+
+    block.model.norm.weight.copy_(w("shared_head.norm.weight"))
+    ids = torch.tensor([tokens])
+    hidden = target.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+    embeds = target.model.embed_tokens(ids)[0, 1:]
+    x = torch.cat([rms(embeds, w("enorm.weight")), rms(hidden, w("hnorm.weight"))], dim=-1)
+    logits = block(inputs_embeds=(x @ w("eh_proj.weight").T)[None], use_cache=False).logits
+    return logits[0].argmax(-1).tolist()
+
+
+@torch.no_grad()
 def transformers_logprobs(model, tokens: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     ids = torch.tensor([tokens], device=device)

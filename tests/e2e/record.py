@@ -13,7 +13,9 @@ def _fig(m: dict) -> str:
     greedy = "-" if m.get("greedy") is None else f"{m['greedy']:.3f}"
     if m.get("greedy_strict") is not None:
         greedy += f" ({m['greedy_strict']:.3f})"
-    return f"{m['mean']:.3f} / {m['p90']:.3f} / {m['top1']:.3f} / {greedy}"
+    decode = f"; decode {m['decode']['mean']:.3f} / {m['decode']['p90']:.3f}" \
+        if "decode" in m else ""
+    return f"{m['mean']:.3f} / {m['p90']:.3f} / {m['top1']:.3f} / {greedy}{decode}"
 
 
 def _tp(r: dict) -> str:
@@ -42,6 +44,10 @@ def render(rows: list[dict]) -> str:
         f"triton {first.get('triton')}",
         "- figures against each oracle: mean / p90 |d logprob| of the prompt's next "
         "tokens (nats), top-1 agreement, " + _greedy_note(rows),
+        *(["- decode: mean / p90 |d logprob| of the generated tokens on the engine's "
+            "own prefix"] if any("decode" in r.get("vs_transformers", {}) for r in rows)
+          else []),
+        *([f"- judged after the run: {first['judged']}"] if "judged" in first else []),
         "- TP > 1: mean / p90 |d logprob| against the same file's triton-fp16 run at "
         "TP 1, share of equal greedy tokens",
         "",
@@ -50,15 +56,21 @@ def render(rows: list[dict]) -> str:
         "|---|---|---|---:|---|---|---|---|---|---:|---|",
     ]
     for r in rows:
+        case = f"| {r['model']} | {r['gguf_type']} | {r['path']} | {r.get('tp', 1)} |"
+        if "skipped" in r:
+            lines.append(f"{case} not run: {r['skipped']} | | | | | | skipped |")
+            continue
+        if "error" in r:
+            lines.append(f"{case} {r['error']} | | | | | | NO |")
+            continue
         mtp = ""
         if "acceptance" in r:
             mtp = (f"acceptance {r['acceptance']}, greedy = no-spec: "
                    f"{'yes' if r.get('greedy_equal_to_no_spec') else 'NO'}")
         lines.append(
-            f"| {r['model']} | {r['gguf_type']} | {r['path']} | {r.get('tp', 1)} | "
-            f"{r['backend']}, {r['dtype']}, {r['indexer']} | {_fig(r['vs_transformers'])} | "
-            f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | {r['start_s']} | "
-            f"{'yes' if r.get('passed') else 'NO'} |"
+            f"{case} {r['backend']}, {r['dtype']}, {r['indexer']} | "
+            f"{_fig(r['vs_transformers'])} | {_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | "
+            f"{r['start_s']} | {'yes' if r.get('passed') else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 

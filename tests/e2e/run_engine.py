@@ -38,6 +38,9 @@ def main() -> None:
             "prompt_logprob": actual,
             "prompt_top1": top1,
             "generated": list(out.outputs[0].token_ids),
+            # the engine's log-probability of each token it generated (decode)
+            "generated_logprob": [entry[token].logprob for token, entry in
+                                  zip(out.outputs[0].token_ids, out.outputs[0].logprobs)],
         })
     config = llm.llm_engine.vllm_config
     result["dtype"] = str(config.model_config.dtype).removeprefix("torch.")

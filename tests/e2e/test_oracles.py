@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import models, prompts
-from oracles import transformers_class, transformers_logprobs, transformers_model
+from oracles import (
+    transformers_class,
+    transformers_logprobs,
+    transformers_model,
+    transformers_mtp_drafts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +50,27 @@ def test_models_are_well_conditioned(f32_models):
     margin = top2[:, 0] - top2[:, 1]
     assert lp.max(-1).values.exp().mean() > 0.3, "flat logits"
     assert margin.median() > 0.4, f"top-1/top-2 margin median {margin.median():.2f} nats"
+
+
+def test_mtp_block_drafts_the_targets_tokens(f32_models):
+    """The GLM-5 model's NextN block guesses the target's next-but-one greedy
+    token often enough that an MTP run accepts drafts (a random block never
+    does, and the path that keeps accepted tokens would go untested): a
+    quarter at least in fp32 (test_engine.MIN_ACCEPTANCE asks 0.15 of the
+    engine)."""
+    out, manifest = f32_models
+    hf = out / "glm5" / manifest["models"]["glm5"]["hf"]
+    target = transformers_class(hf).from_pretrained(
+        hf, dtype=torch.float32, attn_implementation="eager").eval()
+    hits = total = 0
+    for prompt in prompts():
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(24):
+                seq.append(target(torch.tensor([seq]), use_cache=False).logits[0, -1]
+                           .argmax().item())
+        drafts = transformers_mtp_drafts(hf, seq)
+        # the drafts made while generating: from positions len(prompt) - 1 on
+        hits += sum(drafts[i] == seq[i + 2] for i in range(len(prompt) - 2, len(seq) - 2))
+        total += len(seq) - len(prompt)
+    assert hits / total >= 0.25, f"{hits} of {total} drafts are the target's greedy tokens"

@@ -1,0 +1,78 @@
+"""Judge a GPU run's engine outputs again, on any machine:
+
+    python tests/e2e/rejudge.py ENGINE_DIR OUT.jsonl --env RECORD.jsonl
+
+ENGINE_DIR is where test_engine.py's engine runs left their files (pytest's
+temporary folder `engine0`: <GGUF stem>-<path>.out.json and .log). E2E_MODELS
+must hold the same models (`make e2e-models` with the same recipe: the
+manifests must be equal). The oracles run here (transformers fp32, on the CPU
+without a GPU; llama.cpp on the CPU) under the suite's own rules
+(test_engine.evaluate). For a GPU run whose device time ran out before its
+judging did. --env is that run's E2E_RECORD: the machine's fields (date, card,
+driver, versions) come from its first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cases import model_paths, models_dir  # noqa: E402
+
+_MACHINE = ("date", "card", "driver", "gpus", "vllm", "torch", "triton")
+
+
+def engine_runs(engine_dir: Path, manifest: dict, gpus: int) -> dict:
+    """What each case's engine left: its result, its error or why it did not run."""
+    from test_engine import CASES, engine_result, tensor_parallel
+
+    runs = {}
+    for model, gguf_type, path in CASES:
+        _, gguf = model_paths(manifest, model, gguf_type)
+        case, out, log = (engine_dir / f"{gguf.stem}-{path}{ext}"
+                          for ext in (".json", ".out.json", ".log"))
+        if out.is_file():
+            runs[(model, gguf_type, path)] = engine_result(out, log.read_text())
+        elif tensor_parallel(path) > gpus:
+            runs[(model, gguf_type, path)] = {
+                "skip": f"{path} needs {tensor_parallel(path)} GPUs, the run's host had {gpus}"}
+        elif not case.is_file():  # written before the engine starts
+            runs[(model, gguf_type, path)] = {"skip": f"{path} was not part of the run"}
+        else:
+            runs[(model, gguf_type, path)] = {
+                "error": f"{path}: engine on {gguf.name} left no output (it failed or was "
+                         f"stopped; see {log.name if log.is_file() else 'the test log'})"}
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--env", type=Path, required=True, help="the run's E2E_RECORD")
+    args = ap.parse_args()
+
+    from test_engine import CASES, evaluate
+
+    first = json.loads(args.env.read_text().splitlines()[0])
+    machine = {k: first[k] for k in _MACHINE if k in first}
+    manifest = json.loads((models_dir() / "manifest.json").read_text())
+    runs = engine_runs(args.engine_dir, manifest, int(machine.get("gpus", 1)))
+    judged = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with args.out.open("w") as f:
+        for model, gguf_type, path in CASES:
+            row, failures = evaluate(runs, manifest, model, gguf_type, path)
+            print(f"{model} {gguf_type} {path}: "
+                  f"{'skipped' if 'skipped' in row else 'FAIL' if failures else 'pass'}",
+                  *failures, sep="\n  ", flush=True)
+            f.write(json.dumps({**machine, "judged": f"{judged}, tests/e2e/rejudge.py",
+                                **row}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
