@@ -210,9 +210,12 @@ def test_stopping_the_build_stops_everything_and_writes_nothing(fake_repo, comma
     dist.mkdir()
     (dist / OLD_WHEEL).write_text("old\n")
     (dist / (OLD_WHEEL + ".mode")).write_text("source arch=12.0\n")
+    # As from a terminal: SIGINT at its default even where this test runs with
+    # it ignored (a job started with `&` by a non-interactive shell).
     proc = subprocess.Popen(command, cwd=fake_repo.root, env=fake_repo.env(FAKE_PIP="hang"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(fake_repo.pids.read_text().split() if fake_repo.pids.exists() else []) < 2:
