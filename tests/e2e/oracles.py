@@ -188,13 +188,20 @@ def transformers_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
+def generated_logprobs(logprobs: torch.Tensor, prompt_len: int,
+                       generated: list[int]) -> torch.Tensor:
+    """The oracle's log-probability of each generated token on the engine's own
+    prefix; logprobs: the oracle's over prompt + generated."""
+    lp = logprobs[prompt_len - 1 : prompt_len - 1 + len(generated)]
+    return lp.gather(1, torch.tensor(generated)[:, None])[:, 0]
+
+
 def greedy_gaps(logprobs: torch.Tensor, prompt_len: int, generated: list[int]) -> torch.Tensor:
     """How far (nats) each generated token is below the oracle's top-1 at its
     position; logprobs: the oracle's over prompt + generated. 0 where the
     engine chose the oracle's top-1."""
-    lp = logprobs[prompt_len - 1 : prompt_len - 1 + len(generated)]
-    chosen = lp.gather(1, torch.tensor(generated)[:, None])[:, 0]
-    return lp.max(-1).values - chosen
+    top1 = logprobs[prompt_len - 1 : prompt_len - 1 + len(generated)].max(-1).values
+    return top1 - generated_logprobs(logprobs, prompt_len, generated)
 
 
 def llama_cpp_logprobs(gguf_path: Path, tokens: list[int], threads: int = 4) -> torch.Tensor:

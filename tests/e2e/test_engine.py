@@ -31,7 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 from cases import HERE, model_paths, prompts
-from oracles import greedy_gaps, llama_cpp_logprobs, transformers_logprobs, transformers_model
+from oracles import (
+    generated_logprobs,
+    greedy_gaps,
+    llama_cpp_logprobs,
+    transformers_logprobs,
+    transformers_model,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -135,13 +141,15 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, path: str) -> dict:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=limit)
+        timed_out = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        (tmp_path / f"{stem}.log").write_text(log)
+        timed_out = True
+    (tmp_path / f"{stem}.log").write_text(log)
+    if timed_out:
         return {"error": f"{path}: engine on {gguf.name} did not finish in {limit} s "
                          f"(E2E_ENGINE_TIMEOUT):\n{log[-4000:]}"}
-    (tmp_path / f"{stem}.log").write_text(log)
     if proc.returncode:
         return {"error": f"{path}: engine failed on {gguf.name}:\n{log[-6000:]}"}
     return engine_result(out_file, log)
@@ -197,8 +205,7 @@ def compare(result: dict, oracle: list[torch.Tensor],
             # come from prefill).
             dd = torch.cat([
                 (torch.tensor(r["generated_logprob"])
-                 - lp[len(p) - 1:len(p) - 1 + len(r["generated"])]
-                 .gather(1, torch.tensor(r["generated"])[:, None])[:, 0]).abs()
+                 - generated_logprobs(lp, len(p), r["generated"])).abs()
                 for p, r, lp in zip(prompts(), result["prompts"], greedy_oracle)])
             assert torch.isfinite(dd).all(), "engine returned non-finite log-probabilities"
             out["decode"] = {"mean": round(dd.mean().item(), 4),
