@@ -331,3 +331,39 @@ def test_ignored_file_the_new_series_tracks_is_left_in_old(fixture_series, tmp_p
     with pytest.raises(SeriesError, match=r"tree.old/ is left from an earlier `make apply`.*"
                                           "take what you need"):
         apply_series(pin, tree=tree, patch_dir=patches, src=up)
+
+
+def test_a_patch_listed_twice_under_another_spelling_is_refused(fixture_series, tmp_path):
+    """`./0001-…` is the file `0001-…` names: apply would skip it as already
+    applied, and export would delete it twice and crash."""
+    up, pin, patches, tree = fixture_series
+    series = patches / "series"
+    series.write_text(series.read_text() + "./0001-first-change.patch\n")
+    before = snapshot(patches)
+    twice = (r"series:3: \./0001-first-change\.patch is listed twice \(also line 1, as "
+             r"0001-first-change\.patch\)")
+    with pytest.raises(SeriesError, match=twice):
+        apply_series(pin, tree=tmp_path / "fresh", patch_dir=patches, src=up)
+    with pytest.raises(SeriesError, match=twice):
+        export_series(tree, patches)
+    assert snapshot(patches) == before
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_export_deletes_no_patch_before_the_new_ones_are_written(fixture_series):
+    """A patch file that cannot be written (here: a folder holds its name)
+    stops the export before any old patch file is deleted."""
+    up, pin, patches, tree = fixture_series
+    before = snapshot(patches)
+    run_git(tree, "commit", "-q", "--amend", "-m", "second change renamed\n\n"
+            "Upstream-Status: Pending")
+    (patches / "0002-second-change-renamed.patch").mkdir()
+    with pytest.raises(OSError):
+        export_series(tree, patches)
+    (patches / "0002-second-change-renamed.patch").rmdir()
+    assert snapshot(patches) == before
+    assert export_series(tree, patches)
+    assert (patches / "series").read_text().split() == [
+        "0001-first-change.patch", "0002-second-change-renamed.patch"]
+    assert sorted(p.name for p in patches.iterdir()) == [
+        "0001-first-change.patch", "0002-second-change-renamed.patch", "series"]

@@ -70,9 +70,10 @@ def test_no_duplicate_series_entries(repo):
     seen: dict[str, int] = {}
     twice = []
     for n, name in series_entries(repo / "patches"):
-        if name in seen:
-            twice.append(f"{name} (lines {seen[name]} and {n})")
-        seen.setdefault(name, n)
+        key = os.path.normpath(name)  # ./0001-x.patch is 0001-x.patch
+        if key in seen:
+            twice.append(f"{name} (lines {seen[key]} and {n})")
+        seen.setdefault(key, n)
     assert not twice, f"listed twice in patches/series: {twice}"
 
 

@@ -14,6 +14,7 @@ the next field.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,17 +41,46 @@ def series_entries(patch_dir: Path = PATCH_DIR) -> list[tuple[int, str]]:
 def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
     """The patch files patch_dir/series lists, in order."""
     patches: list[Path] = []
-    first: dict[str, int] = {}
+    # By the file, not the spelling: `./0003-x.patch` after `0003-x.patch` is
+    # the same patch, which `git am` would skip as applied and export would
+    # delete twice.
+    first: dict[Path, tuple[int, str]] = {}
     for lineno, name in series_entries(patch_dir):
         path = patch_dir / name
         where = f"{patch_dir / 'series'}:{lineno}"
         if not path.is_file():
             raise SeriesError(f"{where}: {name} does not exist")
-        if name in first:
-            raise SeriesError(f"{where}: {name} is listed twice (also line {first[name]})")
-        first[name] = lineno
+        if (seen := first.get(path.resolve())) is not None:
+            also = f"line {seen[0]}" + (f", as {seen[1]}" if seen[1] != name else "")
+            raise SeriesError(f"{where}: {name} is listed twice (also {also}); remove one "
+                              "of the two lines")
+        first[path.resolve()] = (lineno, name)
         patches.append(path)
     return patches
+
+
+def write_patches(patch_dir: Path, contents: dict[str, bytes], old: list[Path]) -> None:
+    """Make patch_dir hold `contents` ({name: bytes}, in series order) and a
+    series file listing them; `old` is the series it held. Every file is
+    written in full under a temporary name before any is replaced, and old
+    patch files are deleted only once the new ones and the series are in
+    place: a failure part-way loses no patch."""
+    patch_dir.mkdir(exist_ok=True)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, data in [*contents.items(),
+                           ("series", "".join(f"{n}\n" for n in contents).encode())]:
+            tmp = patch_dir / f".{name}.new"
+            staged.append((tmp, patch_dir / name))
+            tmp.write_bytes(data)
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    for path in old:
+        if path.name not in contents:
+            path.unlink(missing_ok=True)
 
 
 def series_digest(patches: list[Path]) -> str:

@@ -45,7 +45,7 @@ from . import PATCH_DIR, PIN_FILE, REPO_ROOT, SeriesError
 from .fetch import fetch_file
 from .gitrepo import (RELEASE_ENV, UPSTREAM_TAG, am, apply_failures, commit_release,
                       conflict_markers, export_patches, git, operation_in_progress)
-from .patchfile import PatchInfo, read_patch, read_series
+from .patchfile import PatchInfo, read_patch, read_series, write_patches
 from .pin import Pin, load_pin, parse_pin, pin_text
 from .release import Target, version_key
 
@@ -279,13 +279,7 @@ def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
     # Ctrl-C waits until patches/ and the pin are consistent.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        patch_dir.mkdir(exist_ok=True)
-        for p in old:
-            if p.name not in contents:
-                p.unlink()
-        for name, data in contents.items():
-            (patch_dir / name).write_bytes(data)
-        (patch_dir / "series").write_text("".join(f"{n}\n" for n in contents))
+        write_patches(patch_dir, contents, old)
         if not unchanged:
             tmp_pin = pin_file.with_name(pin_file.name + ".new")
             tmp_pin.write_text(text)

@@ -30,7 +30,7 @@ from . import PATCH_DIR, WORK_TREE, SeriesError
 from .fetch import fetch_file
 from .gitrepo import (UPSTREAM_TAG, am, apply_failures, commit_release, conflict_markers,
                       export_patches, git, operation_in_progress)
-from .patchfile import read_series, series_digest
+from .patchfile import read_series, series_digest, write_patches
 from .pin import Pin
 
 __all__ = ["UPSTREAM_TAG", "apply_series", "export_series", "read_series", "series_digest"]
@@ -280,19 +280,13 @@ def export_series(tree: Path = WORK_TREE, patch_dir: Path = PATCH_DIR,
 def _export_series(tree: Path, patch_dir: Path) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         new = export_patches(tree, Path(tmp))
-        series = "".join(f"{p.name}\n" for p in new)
         old = read_series(patch_dir)
         unchanged = ([p.name for p in old] == [p.name for p in new]
                      and all((patch_dir / p.name).read_bytes() == p.read_bytes() for p in new))
         if unchanged:
             print("patches/ is up to date")
             return False
-        patch_dir.mkdir(exist_ok=True)
-        for p in old:
-            p.unlink()
-        for p in new:
-            shutil.copyfile(p, patch_dir / p.name)
-        (patch_dir / "series").write_text(series)
+        write_patches(patch_dir, {p.name: p.read_bytes() for p in new}, old)
     (tree / ".git" / _STAMP).write_text(series_digest(read_series(patch_dir)) + "\n")
     print(f"exported {len(new)} patches to {patch_dir.name}/")
     return True
