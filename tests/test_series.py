@@ -367,3 +367,18 @@ def test_export_deletes_no_patch_before_the_new_ones_are_written(fixture_series)
         "0001-first-change.patch", "0002-second-change-renamed.patch"]
     assert sorted(p.name for p in patches.iterdir()) == [
         "0001-first-change.patch", "0002-second-change-renamed.patch", "series"]
+
+
+def test_a_patch_saved_with_crlf_line_endings_is_named(fixture_series, tmp_path):
+    """An editor that saved a patch with Windows line endings: `git am
+    --keep-cr` fails on it with a conflict that names some file, not the cause."""
+    up, pin, patches, tree = fixture_series
+    patch = patches / "0002-second-change.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"\n", b"\r\n"))
+    before = snapshot(patches)
+    with pytest.raises(SeriesError, match=r"series:2: 0002-second-change\.patch has CRLF "
+                                          r"\(Windows\) line endings \(line 1\).*sed -i"):
+        apply_series(pin, tree=tmp_path / "fresh", patch_dir=patches, src=up)
+    with pytest.raises(SeriesError, match="CRLF"):
+        export_series(tree, patches)
+    assert snapshot(patches) == before

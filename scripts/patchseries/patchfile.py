@@ -22,6 +22,7 @@ from pathlib import Path
 from . import PATCH_DIR, SeriesError
 
 FIELDS = ("Upstream-Status", "Obsolete-If", "Tests")
+_CRLF_HEADER = re.compile(rb"^(?:From |Subject: |diff --git )[^\n]*\r$", re.M)
 _FIELD = re.compile(r"^([A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*):(?:\s+(.*?))?\s*$")
 
 
@@ -55,6 +56,14 @@ def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
             raise SeriesError(f"{where}: {name} is listed twice (also {also}); remove one "
                               "of the two lines")
         first[path.resolve()] = (lineno, name)
+        # git writes these lines with LF whatever the patched files hold: a CR
+        # there means an editor saved the file with Windows line endings, which
+        # `git am --keep-cr` reports as a conflict somewhere.
+        if m := _CRLF_HEADER.search(path.read_bytes()):
+            line = m.string.count(b"\n", 0, m.start()) + 1
+            raise SeriesError(
+                f"{where}: {name} has CRLF (Windows) line endings (line {line}); save it with "
+                f"LF endings (`sed -i 's/\\r$//' {patch_dir.name}/{name}`) and run again")
         patches.append(path)
     return patches
 
