@@ -382,3 +382,29 @@ def test_a_patch_saved_with_crlf_line_endings_is_named(fixture_series, tmp_path)
     with pytest.raises(SeriesError, match="CRLF"):
         export_series(tree, patches)
     assert snapshot(patches) == before
+
+
+def test_apply_refuses_to_drop_other_branches_tags_and_stash(fixture_series, tmp_path):
+    """Rebuilding vllm-src/ after a pull would lose what is not on main:
+    refused, naming each, until they are gone or the tree is moved aside."""
+    up, pin, patches, tree = fixture_series
+    run_git(tree, "checkout", "-q", "-b", "experiment", "HEAD~1")
+    commit_change(tree, "a.py", "line 9\n", "line nine\n", "an experiment")
+    run_git(tree, "checkout", "-q", "main")
+    run_git(tree, "tag", "before-pull")
+    (tree / "a.py").write_text("stashed edit\n")
+    run_git(tree, "stash", "-q")
+    newer_series(up, pin, patches, tmp_path)
+    head = run_git(tree, "rev-parse", "HEAD")
+    with pytest.raises(SeriesError, match=r"would lose branch `experiment`, tag `before-pull`, "
+                                          r"stash@\{0\} \(WIP on main: .*\).*mv tree tree\.keep"):
+        apply_series(pin, tree=tree, patch_dir=patches, src=up)
+    assert run_git(tree, "rev-parse", "HEAD") == head
+    assert run_git(tree, "log", "-1", "--format=%s", "experiment") == "an experiment"
+    assert run_git(tree, "stash", "list").count("\n") == 0 and run_git(tree, "stash", "list")
+    # Once the user has kept or dropped them, the rebuild goes ahead.
+    run_git(tree, "branch", "-D", "experiment")
+    run_git(tree, "tag", "-d", "before-pull")
+    run_git(tree, "stash", "clear")
+    apply_series(pin, tree=tree, patch_dir=patches, src=up)
+    assert (tree / "b.py").read_text() == "b = 22\n"

@@ -199,6 +199,19 @@ def operation_in_progress(repo: Path) -> str | None:
     return None
 
 
+def other_refs(repo: Path, branches: tuple[str, ...], tags: tuple[str, ...]) -> list[str]:
+    """What deleting `repo` would lose besides the given branches and tags:
+    "branch `x`", "tag `y`", "stash@{0} (WIP on main: …)"."""
+    lost = []
+    refs = git(repo, "for-each-ref", "--format=%(refname)", "refs/heads", "refs/tags").stdout
+    for ref in refs.split():
+        kind, _, name = ref.removeprefix("refs/").partition("/")
+        if name not in (branches if kind == "heads" else tags):
+            lost.append(f"{'branch' if kind == 'heads' else 'tag'} `{name}`")
+    stash = git(repo, "stash", "list", "--format=%gd (%gs)", check=False).stdout
+    return lost + stash.splitlines()
+
+
 def conflict_markers(repo: Path, base: str) -> list[str]:
     """"file (lines 3, 5, 7)" for each file where the commits base..HEAD or
     uncommitted edits in the work tree add conflict markers (<<<<<<<,

@@ -29,7 +29,7 @@ from pathlib import Path
 from . import PATCH_DIR, WORK_TREE, SeriesError
 from .fetch import fetch_file
 from .gitrepo import (UPSTREAM_TAG, am, apply_failures, commit_release, conflict_markers,
-                      export_patches, git, operation_in_progress)
+                      export_patches, git, operation_in_progress, other_refs)
 from .patchfile import read_series, series_digest, write_patches
 from .pin import Pin
 
@@ -216,6 +216,15 @@ def _apply_series(pin: Pin, tree: Path, patch_dir: Path, src: Path | None) -> Pa
             raise SeriesError(
                 f"{tree.name} has commits that are not in patches/; export them with "
                 f"`make patches`, or remove {tree.name} to discard them")
+        if lost := other_refs(tree, ("main",), (UPSTREAM_TAG,)):
+            name = tree.name
+            raise SeriesError(
+                f"{name}/ must be rebuilt ({patch_dir.name}/ or the pin changed since it was "
+                f"applied), which would lose {', '.join(lost)}. Nothing was changed. To keep "
+                f"them, move the tree aside (`mv {name} {name}.keep`), run `make apply` again "
+                f"and take them from {name}.keep/ (`git -C {name} fetch ../{name}.keep "
+                f"<branch>:<branch>`); if you do not need them, delete them (`git -C {name} "
+                f"branch -D`, `tag -d`, `stash drop`) and run again")
     tmp = tree.with_name(tree.name + ".new")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
