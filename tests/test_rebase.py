@@ -405,3 +405,36 @@ def test_real_series_on_vllm_0_24(repo, tmp_path, git_env):
     assert any(r.status == rb.OBSOLETE
                and "vllm/model_executor/model_loader/gguf_loader.py" in r.detail
                for r in outcome.results), table
+
+
+def test_finish_refuses_to_drop_patches_that_git_am_left_out(project, tmp_path):
+    """After a conflict the user follows git's hint and runs `git am --abort`:
+    vllm-rebase/ then holds no patch, and --finish would write an empty series
+    on the new pin. Refused, naming what is missing; a patch dropped on purpose
+    (`git am --skip`) is written once its line is gone from patches/series."""
+    up, pin, pin_file, patches = project
+    edit(up, "a.py", "line 10\n", "line 10 (changed upstream)\n")
+    commit(up, "release 2.0")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    work = tmp_path / "rebase"
+    rb.rebase(target_at(up, "2.0"), pin, patches, work, pin_file=pin_file)
+    run_git(work, "am", "--abort")
+    with pytest.raises(SeriesError, match=r"rebase/ lacks 4 patches of the series: "
+                                          r"0001-edit-a\.patch, 0002-edit-b\.patch, "
+                                          r"0003-edit-c\.patch, 0004-add-d\.patch.*Nothing was "
+                                          r"written"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+
+    work = tmp_path / "rebase-skip"
+    rb.rebase(target_at(up, "2.0"), pin, patches, work, pin_file=pin_file)
+    run_git(work, "am", "--skip")
+    with pytest.raises(SeriesError, match=r"lacks 1 patch of the series: 0001-edit-a\.patch"):
+        rb.finish(work, patches, pin_file)
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    series = patches / "series"
+    series.write_text(series.read_text().replace("0001-edit-a.patch\n", ""))
+    written = rb.finish(work, patches, pin_file)
+    assert [p.name for p in written] == ["0001-edit-b.patch", "0002-edit-c.patch",
+                                         "0003-add-d.patch"]
+    assert load_pin(pin_file).commit == target_at(up, "2.0").commit

@@ -54,6 +54,7 @@ REBASE_TREE = REPO_ROOT / "vllm-rebase"
 OLD_TAG = "old-upstream"
 _TARGET_PIN = "patchseries-target-pin"  # in .git: vllm-pin.txt for the target
 _HAND_WORK = "patchseries-needs-finish"  # in .git: conflicts were left to the user
+_CARRIED = "patchseries-carried"  # in .git: the patches branch main was given, one a line
 
 APPLIED = "applied"
 OFFSETS = "applied with offsets/fuzz"
@@ -254,10 +255,18 @@ def format_table(results: list[PatchResult]) -> str:
 # vllm-pin.txt and patches/
 # --------------------------------------------------------------------------
 
+def _slug(name: str) -> str:
+    """A patch file's name without its number: what stays when patches before
+    it are dropped."""
+    return name.split("-", 1)[-1]
+
+
 def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
-                 pin_file: Path = PIN_FILE) -> list[Path]:
+                 pin_file: Path = PIN_FILE, carried: list[str] | None = None) -> list[Path]:
     """Export upstream..HEAD of `work` into patch_dir and write pin_file.
-    Everything is prepared first; the repository files change at the end."""
+    Everything is prepared first; the repository files change at the end.
+    `carried`: the patches the rebase gave branch main; each one still in
+    patches/series must be in the export (a `git am --abort` drops them all)."""
     text = pin_text(pin)
     if op := operation_in_progress(work):
         raise SeriesError(op)
@@ -272,6 +281,17 @@ def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
         new = export_patches(work, Path(tmp))
         contents = {p.name: p.read_bytes() for p in new}
     old = read_series(patch_dir)
+    listed, exported = {p.name for p in old}, {_slug(n) for n in contents}
+    if missing := [n for n in carried or [] if n in listed and _slug(n) not in exported]:
+        many = len(missing) > 1
+        them = "them" if many else "it"
+        raise SeriesError(
+            f"{work.name}/ lacks {len(missing)} patch{'es' if many else ''} of the series: "
+            f"{', '.join(missing)} (a `git am --abort` or `git am --skip` left {them} out); "
+            f"writing it would delete {them} from {patch_dir.name}/. Nothing was written. To "
+            f"carry {them}, remove {work.name}/, run `make rebase` again and resolve the "
+            f"conflicts there (`git am --continue`); to drop a patch on purpose, delete it "
+            f"from {patch_dir.name}/ and {patch_dir.name}/series first")
     try:
         unchanged = pin_file.read_text() == text
     except (OSError, UnicodeDecodeError):
@@ -327,6 +347,7 @@ def rebase(target: Target, pin: Pin | None = None, patch_dir: Path = PATCH_DIR,
     if not replay:
         return outcome
     keep = [p for p, r in zip(patches, results) if r.status != OBSOLETE]
+    (work / ".git" / _CARRIED).write_text("".join(f"{p.name}\n" for p in keep))
     if carried:
         # The probe branch already holds exactly the carried patches.
         git(work, "checkout", "-q", "-B", "main", "probe")
@@ -351,7 +372,9 @@ def finish(work: Path = REBASE_TREE, patch_dir: Path = PATCH_DIR,
     pin = parse_pin(stored.read_text(), stored.name)
     if git(work, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip() != "main":
         raise SeriesError(f"{work.name}/ is not on branch main")
-    written = write_series(work, pin, patch_dir, pin_file)
+    carried = work / ".git" / _CARRIED
+    written = write_series(work, pin, patch_dir, pin_file,
+                           carried.read_text().split() if carried.exists() else None)
     (work / ".git" / _HAND_WORK).unlink(missing_ok=True)
     return written
 
