@@ -70,7 +70,8 @@ def rebase_command(pin, write: bool) -> int:
               + ". Run `make apply` to refresh vllm-src/.")
     else:
         print(f"\nThe series carried over (branch main of {rebase.REBASE_TREE.name}/). "
-              + ("Re-run with WRITE=1 (or --write) to rewrite patches/ and vllm-pin.txt."
+              + ("`python3 scripts/series.py rebase --finish` writes it (with any commits "
+                 "you add there) to patches/ and vllm-pin.txt; so does a re-run with WRITE=1."
                  if target.pin else "It is no release on the index: vllm-pin.txt cannot name it."))
     return 0
 

@@ -438,3 +438,35 @@ def test_finish_refuses_to_drop_patches_that_git_am_left_out(project, tmp_path):
     assert [p.name for p in written] == ["0001-edit-b.patch", "0002-edit-c.patch",
                                          "0003-add-d.patch"]
     assert load_pin(pin_file).commit == target_at(up, "2.0").commit
+
+
+def test_rerun_refuses_to_wipe_work_made_in_the_rebase_tree(project, tmp_path):
+    """The series carried over; the user commits a fix in vllm-rebase/ and
+    re-runs with WRITE=1, as the output suggests. The re-run would rebuild
+    the tree from scratch: refused, naming the work, until --finish has
+    written it (or the tree is gone)."""
+    up, pin, pin_file, patches = project
+    edit(up, "e.py", None, "e = 1\n")
+    commit(up, "release 2.0")
+    work = tmp_path / "rebase"
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, work, pin_file=pin_file)
+    assert outcome.carried and not outcome.written
+    edit(work, "b.py", "b = 2\n", "b = 3\n")
+    fix = commit(work, "tune b")
+    run_git(work, "branch", "idea", "HEAD~1")
+    edit(work, "c.py", "c = 2\n", "c = 3\n")
+    before = snapshot(patches) | {"pin": pin_file.read_bytes()}
+    with pytest.raises(SeriesError, match=rf"rebase/ holds work that a new rebase would delete: "
+                                          rf"commit {fix[:12]} tune b, branch `idea`, uncommitted "
+                                          rf"changes.*rebase --finish"):
+        rb.rebase(target_at(up, "2.0"), pin, patches, work, write=True, pin_file=pin_file)
+    assert run_git(work, "rev-parse", "HEAD") == fix
+    assert (work / "c.py").read_text() == "c = 3\n"
+    assert snapshot(patches) | {"pin": pin_file.read_bytes()} == before
+    # Written with --finish (the stray edit and branch dropped), a re-run starts afresh.
+    run_git(work, "checkout", "-q", "c.py")
+    run_git(work, "branch", "-D", "idea")
+    assert [p.name for p in rb.finish(work, patches, pin_file)][-1] == "0005-tune-b.patch"
+    outcome = rb.rebase(target_at(up, "2.0"), load_pin(pin_file), patches, work,
+                        pin_file=pin_file)
+    assert statuses(outcome) == [rb.APPLIED] * 5

@@ -44,7 +44,8 @@ from pathlib import Path
 from . import PATCH_DIR, PIN_FILE, REPO_ROOT, SeriesError
 from .fetch import fetch_file
 from .gitrepo import (RELEASE_ENV, UPSTREAM_TAG, am, apply_failures, commit_release,
-                      conflict_markers, export_patches, git, operation_in_progress)
+                      conflict_markers, export_patches, git, operation_in_progress,
+                      other_refs)
 from .patchfile import PatchInfo, read_patch, read_series, write_patches
 from .pin import Pin, load_pin, parse_pin, pin_text
 from .release import Target, version_key
@@ -55,6 +56,7 @@ OLD_TAG = "old-upstream"
 _TARGET_PIN = "patchseries-target-pin"  # in .git: vllm-pin.txt for the target
 _HAND_WORK = "patchseries-needs-finish"  # in .git: conflicts were left to the user
 _CARRIED = "patchseries-carried"  # in .git: the patches branch main was given, one a line
+_MAIN = "patchseries-main"  # in .git: the commit the tools last left branch main at
 
 APPLIED = "applied"
 OFFSETS = "applied with offsets/fuzz"
@@ -178,6 +180,27 @@ def _classify(tree: Path, info: PatchInfo, dropped: dict[str, tuple[str, str]],
     return PatchResult(info.name, OFFSETS, "line offsets" if clean else "3-way merge", info.files)
 
 
+def _user_work(work: Path) -> list[str]:
+    """What the user made in `work` since the tools last left it: commits on
+    main, other branches, tags and stash entries, uncommitted changes."""
+    lost = []
+    if not git(work, "rev-parse", "-q", "--verify", "refs/heads/main", check=False).returncode:
+        stamp = work / ".git" / _MAIN
+        # No stamp: a tree from before the tools kept one; every patch counts.
+        base = stamp.read_text().strip() if stamp.exists() else UPSTREAM_TAG
+        log = git(work, "log", "--reverse", "--format=commit %h %s", "--abbrev=12",
+                  f"{base}..main", check=False).stdout
+        lost += log.splitlines()
+    lost += other_refs(work, ("main", "old-series", "probe"), (OLD_TAG, UPSTREAM_TAG))
+    if git(work, "status", "--porcelain", check=False).stdout.strip():
+        lost.append("uncommitted changes")
+    return lost
+
+
+def _stamp_main(work: Path) -> None:
+    (work / ".git" / _MAIN).write_text(git(work, "rev-parse", "main").stdout)
+
+
 def prepare_tree(work: Path, pin: Pin, target: Target, patches: list[Path]) -> None:
     """Build `work` up to the `upstream` commit (the target) on branch probe."""
     if work.exists():
@@ -189,6 +212,12 @@ def prepare_tree(work: Path, pin: Pin, target: Target, patches: list[Path]) -> N
             raise SeriesError(f"{work.name}/ holds conflicts resolved by hand that are not "
                               "written yet: run `series.py rebase --finish`, or remove "
                               f"{work.name}/ first")
+        if (work / ".git").is_dir() and (lost := _user_work(work)):
+            raise SeriesError(
+                f"{work.name}/ holds work that a new rebase would delete: {', '.join(lost)}. "
+                f"Nothing was changed. Commit it on main and write it to patches/ with "
+                f"`python3 scripts/series.py rebase --finish`, or move the tree aside (`mv "
+                f"{work.name} {work.name}.keep`), or remove {work.name}/ to discard it")
         shutil.rmtree(work)
     work.mkdir(parents=True)
     git(work, "init", "-q", "-b", "main")
@@ -357,6 +386,7 @@ def rebase(target: Target, pin: Pin | None = None, patch_dir: Path = PATCH_DIR,
         if keep:
             am(work, keep, abort=False)
     git(work, "branch", "-q", "-D", "probe")
+    _stamp_main(work)
     if carried and write:
         write_series(work, target.pin, patch_dir, pin_file)
         outcome.written = True
@@ -376,6 +406,7 @@ def finish(work: Path = REBASE_TREE, patch_dir: Path = PATCH_DIR,
     written = write_series(work, pin, patch_dir, pin_file,
                            carried.read_text().split() if carried.exists() else None)
     (work / ".git" / _HAND_WORK).unlink(missing_ok=True)
+    _stamp_main(work)  # written: a new rebase may start afresh
     return written
 
 
