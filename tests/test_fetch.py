@@ -108,6 +108,41 @@ def test_index_urls_come_from_pip(monkeypatch):
     assert pip_index_urls() == ["file:///nonexistent/simple", "file:///elsewhere/simple"]
 
 
+def pip_env(monkeypatch: pytest.MonkeyPatch, config: str = "", **settings: str) -> None:
+    """pip's configuration for a test: no files but `config`, only these PIP_* variables."""
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    pip_conf = Path(os.environ["VLLM_DSA_CACHE"]).parent / "pip.conf"
+    pip_conf.write_text(config)
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(pip_conf))
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("where", ["environment", "config"])
+def test_pip_no_index_is_honoured(index, monkeypatch, where):
+    """PIP_NO_INDEX (or no-index in pip.conf): no download; the message says
+    the pinned file is not cached and where it goes."""
+    url, sha, cache, _ = index
+    if where == "environment":
+        pip_env(monkeypatch, PIP_INDEX_URL=url, PIP_NO_INDEX="1")
+    else:
+        pip_env(monkeypatch, f"[global]\nindex-url = {url}\nno-index = true\n")
+    with pytest.raises(SeriesError, match=rf"the pinned demo-1\.0\.tar\.gz is not cached in "
+                                          rf"{cache} and pip is set to use no package index"):
+        fetch_file("demo", "demo-1.0.tar.gz", sha)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_pip_find_links_serve_the_file_without_an_index(index, monkeypatch):
+    url, sha, cache, files = index
+    pip_env(monkeypatch, PIP_INDEX_URL="file:///nonexistent/simple", PIP_NO_INDEX="1",
+            PIP_FIND_LINKS=str(files))
+    path = fetch_file("demo", "demo-1.0.tar.gz", sha)
+    assert path == cache / "demo-1.0.tar.gz"
+    assert path.read_bytes() == (files / "demo-1.0.tar.gz").read_bytes()
+
+
 def test_stale_partial_downloads_are_removed(index):
     """A run killed outright (SIGKILL) leaves <file>.<pid>.part behind; the next
     fetch deletes those whose process is gone and keeps a running one's."""

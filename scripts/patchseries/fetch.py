@@ -1,4 +1,5 @@
-"""Download release files from the package index pip is configured with.
+"""Download release files from the package index pip is configured with
+(or its find-links; with no-index set, from find-links only).
 
 Files land in a cache outside the repository (`$VLLM_DSA_CACHE`, else
 `$XDG_CACHE_HOME/vllm-dsa-series`, else `~/.cache/vllm-dsa-series`), are checked
@@ -43,16 +44,56 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pip_index_urls() -> list[str]:
-    """index-url then extra-index-urls, exactly as `pip download` would see them
-    (configuration files and PIP_* variables, pip's own default otherwise)."""
-    probe = ("from pip._internal.commands import create_command\n"
-             "options, _ = create_command('download').parse_args([])\n"
-             "print(options.index_url, *options.extra_index_urls, sep='\\n')")
+@dataclass(frozen=True)
+class PipSources:
+    indexes: list[str]     # index-url then extra-index-urls; none with no-index
+    find_links: list[str]  # folders or pages of links
+    no_index: bool
+
+
+def pip_sources() -> PipSources:
+    """Where `pip download` would look, exactly as it sees it (configuration
+    files and PIP_* variables, pip's own default otherwise)."""
+    probe = ("import json\n"
+             "from pip._internal.commands import create_command\n"
+             "o, _ = create_command('download').parse_args([])\n"
+             "print(json.dumps([o.index_url, o.extra_index_urls, o.find_links, o.no_index]))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if result.returncode:
         raise SeriesError(f"cannot read pip's index configuration:\n{result.stderr.strip()}")
-    return result.stdout.split()
+    index_url, extra, find_links, no_index = json.loads(result.stdout)
+    return PipSources([] if no_index else [index_url, *extra], find_links, bool(no_index))
+
+
+def pip_index_urls() -> list[str]:
+    """index-url then extra-index-urls as `pip download` sees them; none when
+    pip is set to use no index (PIP_NO_INDEX, no-index in pip.conf)."""
+    return pip_sources().indexes
+
+
+def find_links_url(filename: str, find_links: list[str]) -> str | None:
+    """The URL of `filename` in pip's find-links: a folder that holds it, or a
+    page that links to it."""
+    for link in find_links:
+        parsed = urllib.parse.urlparse(link)
+        folder = (Path(urllib.parse.unquote(parsed.path)) if parsed.scheme == "file"
+                  else Path(link) if not parsed.scheme else None)
+        if folder is not None and folder.is_dir():
+            if (folder / filename).is_file():
+                return (folder / filename).resolve().as_uri()
+            continue
+        page = folder.resolve().as_uri() if folder is not None else link
+        try:
+            with urllib.request.urlopen(page, timeout=60) as response:
+                parser = _Links()
+                parser.feed(response.read().decode(errors="replace"))
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        for href, _ in parser.links:
+            url = urllib.parse.urljoin(page, href).split("#", 1)[0]
+            if urllib.parse.unquote(url.rsplit("/", 1)[-1]) == filename:
+                return url
+    return None
 
 
 @dataclass(frozen=True)
@@ -192,7 +233,17 @@ def fetch_file(project: str, filename: str, sha256: str, indexes: list[str] | No
             return target
         raise SeriesError(_disagreement(project, target, sha256, actual, indexes))
     cache.mkdir(parents=True, exist_ok=True)
-    url = find_file_url(project, filename, indexes if indexes is not None else pip_index_urls())
+    sources = PipSources(indexes, [], False) if indexes is not None else pip_sources()
+    url = find_links_url(filename, sources.find_links)
+    if url is None and sources.no_index:
+        raise SeriesError(
+            f"the pinned {filename} is not cached in {cache} and pip is set to use no package "
+            f"index (PIP_NO_INDEX or no-index in pip's configuration)"
+            + (f"; its find-links ({', '.join(sources.find_links)}) do not have it either"
+               if sources.find_links else "")
+            + f": copy the file (sha256 {sha256}) into {cache}, or allow the index")
+    if url is None:
+        url = find_file_url(project, filename, sources.indexes)
     part = cache / f"{filename}.{os.getpid()}.part"
     print(f"downloading {filename}", file=sys.stderr, flush=True)
     try:
