@@ -34,7 +34,7 @@ test:
 	$(SUPERVISE) scripts/run-tests.sh
 
 ## test-gpu: the tests that need a CUDA GPU, the end-to-end engine tests among them (on a GPU
-## machine; WHEELHOUSE=<dir> installs from `make wheelhouse` output without a package index;
+## machine, fails without one; WHEELHOUSE=<dir> installs from `make wheelhouse` output without a package index;
 ## PYTEST_ARGS="-n 4 --dist loadfile" runs the test files side by side with pytest-xdist)
 test-gpu:
 	PYTEST_MARK=gpu $(SUPERVISE) scripts/run-tests.sh $(PYTEST_ARGS)

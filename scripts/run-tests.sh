@@ -11,6 +11,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
+# make test-gpu on a machine without a GPU: every test would skip itself and
+# the run would pass. Stop instead: before the install where the venv has torch
+# already, else right after it, before the models are built.
+gpu_checked=
+check_gpu() {
+  local gpus
+  gpus=$("$VENV/bin/python" -c \
+    'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)') || exit 1
+  if [ "$gpus" = 0 ]; then
+    echo "error: no CUDA GPU found (torch.cuda.is_available() is False in $VENV); make test-gpu" \
+         "needs one (the CPU suite is make test)" >&2
+    exit 1
+  fi
+  gpu_checked=1
+}
+if [ "${PYTEST_MARK:-}" = gpu ] && [ -x "$VENV/bin/python" ] \
+   && "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  check_gpu
+fi
+
 if [ -n "${WHEELHOUSE:-}" ]; then
   [ -d "$WHEELHOUSE" ] || { echo "error: WHEELHOUSE=$WHEELHOUSE is not a folder" >&2; exit 2; }
   version=$(python3 scripts/series.py version)
@@ -31,11 +51,12 @@ else
 fi
 
 if [ "${PYTEST_MARK:-}" = gpu ]; then
+  [ -n "$gpu_checked" ] || check_gpu
   export E2E_MODELS=${E2E_MODELS:-build/e2e}
   printf '\n==> end-to-end models (%s)\n' "$E2E_MODELS"
   "$VENV/bin/python" tests/e2e/models.py build "$E2E_MODELS"
 fi
 
 printf '\n==> pytest\n'
-# GPU tests skip themselves, with the reason, where there is no GPU.
+# Under make test, GPU tests skip themselves, with the reason, where there is no GPU.
 exec "$VENV/bin/python" -m pytest tests ${PYTEST_MARK:+-m "$PYTEST_MARK"} -ra "$@"

@@ -44,13 +44,15 @@ else:
     sys.exit(f"fake series.py: unexpected {{command}}")
 """.format(version=VERSION)
 
-# The build venv's python. `-m pip wheel ... -w DIR ...` per $FAKE_PIP:
+# The build venv's python. Asked about torch.cuda, it has $FAKE_GPUS GPUs (default
+# none). `-m pip wheel ... -w DIR ...` per $FAKE_PIP:
 #   ok: writes a wheel; fail: writes half a wheel and fails;
 #   hang: writes half a wheel, starts a child (like pip's build backend), ignores
 #         SIGINT as pip does when a script runs it with `&`, and waits for ever.
 FAKE_PYTHON = """\
 #!/usr/bin/env bash
 echo "$*" >> "$FAKE_LOG"
+case "$*" in *torch.cuda*) echo "${{FAKE_GPUS:-0}}"; exit 0;; esac
 [ "$1 $2 $3" = "-m pip wheel" ] || exit 0
 prev=
 for arg in "$@"; do [ "$prev" = -w ] && dir=$arg; prev=$arg; done
@@ -259,3 +261,19 @@ def test_build_replaces_a_wheel_of_another_mode(fake_repo):
     assert (dist / OLD_WHEEL).read_text() == "wheel\n"
     assert (dist / (OLD_WHEEL + ".mode")).read_text() == "precompiled\n"
     assert not (fake_repo.root / "build/wheel.tmp").exists()
+
+
+@pytest.mark.parametrize("gpus", ["0", "1"])
+def test_test_gpu_without_a_gpu_fails_before_anything_runs(fake_repo, gpus):
+    """Every GPU test would skip itself and the run would pass: `make test-gpu`
+    stops instead, before the build, the models and pytest."""
+    result = subprocess.run(["make", "test-gpu"], cwd=fake_repo.root, text=True,
+                            env=fake_repo.env(FAKE_GPUS=gpus), capture_output=True, timeout=120)
+    calls = "\n".join(fake_repo.pip_calls())
+    if gpus == "0":
+        assert result.returncode != 0
+        assert "error: no CUDA GPU found" in result.stderr and "make test" in result.stderr
+        assert "pip wheel" not in calls and "models.py" not in calls and "pytest" not in calls
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "tests/e2e/models.py build" in calls and "-m pytest tests -m gpu" in calls
