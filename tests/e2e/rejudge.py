@@ -9,7 +9,8 @@ manifests must be equal). The oracles run here (transformers fp32, on the CPU
 without a GPU; llama.cpp on the CPU) under the suite's own rules
 (test_engine.evaluate). For a GPU run whose device time ran out before its
 judging did. --env is that run's E2E_RECORD: the machine's fields (date, card,
-driver, versions) come from its first line.
+driver, versions) come from its first line. A folder without any engine run
+is an error; OUT is replaced only once every case is judged.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,7 +39,10 @@ def engine_runs(engine_dir: Path, manifest: dict, gpus: int) -> dict:
         case, out, log = (engine_dir / f"{gguf.stem}-{path}{ext}"
                           for ext in (".json", ".out.json", ".log"))
         if out.is_file():
-            runs[(model, gguf_type, path)] = engine_result(out, log.read_text())
+            try:
+                runs[(model, gguf_type, path)] = engine_result(out, log.read_text())
+            except ValueError as e:  # cut short: that case failed, the others are judged
+                runs[(model, gguf_type, path)] = {"error": f"{path}: {e}"}
         elif tensor_parallel(path) > gpus:
             runs[(model, gguf_type, path)] = {
                 "skip": f"{path} needs {tensor_parallel(path)} GPUs, the run's host had {gpus}"}
@@ -59,19 +64,34 @@ def main() -> None:
 
     from test_engine import CASES, evaluate
 
+    if not args.engine_dir.is_dir():
+        raise SystemExit(f"rejudge.py: {args.engine_dir}: no such folder (pytest's engine0 "
+                         "folder of the GPU run)")
     first = json.loads(args.env.read_text().splitlines()[0])
     machine = {k: first[k] for k in _MACHINE if k in first}
     manifest = json.loads((models_dir() / "manifest.json").read_text())
     runs = engine_runs(args.engine_dir, manifest, int(machine.get("gpus", 1)))
+    # Every case "skipped" would read as a judged run.
+    if all("skip" in run for run in runs.values()):
+        raise SystemExit(f"rejudge.py: {args.engine_dir}: holds no engine run (no "
+                         "<GGUF stem>-<path>.json or .out.json of a case); is it pytest's "
+                         "engine0 folder of the GPU run?")
     judged = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    with args.out.open("w") as f:
-        for model, gguf_type, path in CASES:
-            row, failures = evaluate(runs, manifest, model, gguf_type, path)
-            print(f"{model} {gguf_type} {path}: "
-                  f"{'skipped' if 'skipped' in row else 'FAIL' if failures else 'pass'}",
-                  *failures, sep="\n  ", flush=True)
-            f.write(json.dumps({**machine, "judged": f"{judged}, tests/e2e/rejudge.py",
-                                **row}) + "\n")
+    # Written beside the output and moved over it once complete: a rejudge
+    # that fails part-way leaves the previous one as it was.
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    try:
+        with tmp.open("w") as f:
+            for model, gguf_type, path in CASES:
+                row, failures = evaluate(runs, manifest, model, gguf_type, path)
+                print(f"{model} {gguf_type} {path}: "
+                      f"{'skipped' if 'skipped' in row else 'FAIL' if failures else 'pass'}",
+                      *failures, sep="\n  ", flush=True)
+                f.write(json.dumps({**machine, "judged": f"{judged}, tests/e2e/rejudge.py",
+                                    **row}) + "\n")
+        os.replace(tmp, args.out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,11 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, path: str) -> dict:
 
 def engine_result(out_file: Path, log: str) -> dict:
     """An engine run's output file, plus what it chose, read from its log."""
-    result = json.loads(out_file.read_text())
+    try:
+        result = json.loads(out_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{out_file} is not complete JSON ({e}): the engine was stopped "
+                         "while writing it?") from None
     result["backend"] = next((b for b in ("TRITON_MLA_SPARSE", "FLASHMLA_SPARSE",
                                            "FLASHINFER_MLA_SPARSE")
                               if f"Using AttentionBackendEnum.{b}" in log

@@ -19,21 +19,33 @@ def test_committed_table_is_rendered_from_its_data(data):
     assert render(rows) == data.with_suffix(".md").read_text()
 
 
-def test_rejudge_reads_what_each_engine_left(tmp_path):
-    """rejudge.py tells a finished engine from a failed or stopped one, from a
-    case the run did not include and from a TP 2 case on a one-GPU host."""
-    from rejudge import engine_runs
+def fake_manifest() -> dict:
     from test_engine import CASES
 
     manifest: dict = {"models": {}}
     for model, gguf_type, _ in CASES:
-        entry = manifest["models"].setdefault(model, {"hf": "hf", "gguf": {}})
+        entry = manifest["models"].setdefault(model, {"hf": "hf", "gguf": {}, "types": {}})
         entry["gguf"][gguf_type] = f"{model}-{gguf_type}.gguf"
-    out = {"start_s": 1.0, "dtype": "float16", "prompts": []}
-    (tmp_path / "glm5-f16-flashmla-bf16.json").write_text("{}")
-    (tmp_path / "glm5-f16-flashmla-bf16.out.json").write_text(json.dumps(out))
-    (tmp_path / "glm5-f16-flashmla-bf16.log").write_text(
+        entry["types"][gguf_type] = ["F32"]
+    return manifest
+
+
+def one_engine_run(engine_dir, out: str | None = None) -> None:
+    """What test_engine.py leaves of one finished engine (glm5 f16, the peer path)."""
+    out = out or json.dumps({"start_s": 1.0, "dtype": "float16", "prompts": []})
+    (engine_dir / "glm5-f16-flashmla-bf16.json").write_text("{}")
+    (engine_dir / "glm5-f16-flashmla-bf16.out.json").write_text(out)
+    (engine_dir / "glm5-f16-flashmla-bf16.log").write_text(
         "Using FLASHMLA_SPARSE attention backend\nGraph capturing finished in 3 secs\n")
+
+
+def test_rejudge_reads_what_each_engine_left(tmp_path):
+    """rejudge.py tells a finished engine from a failed or stopped one, from a
+    case the run did not include and from a TP 2 case on a one-GPU host."""
+    from rejudge import engine_runs
+
+    manifest = fake_manifest()
+    one_engine_run(tmp_path)
     (tmp_path / "glm5-f16-triton-fp16.json").write_text("{}")
     (tmp_path / "glm5-f16-triton-fp16.log").write_text("Traceback ...\n")
     runs = engine_runs(tmp_path, manifest, gpus=1)
@@ -43,3 +55,71 @@ def test_rejudge_reads_what_each_engine_left(tmp_path):
     assert "left no output" in runs[("glm5", "f16", "triton-fp16")]["error"]
     assert runs[("glm5", "q4_k_m", "triton-fp16-tp2")]["skip"].endswith("the run's host had 1")
     assert runs[("glm5", "f16", "auto-sm120")] == {"skip": "auto-sm120 was not part of the run"}
+
+
+def test_rejudge_names_a_truncated_engine_output(tmp_path):
+    """An engine stopped while writing its output: that case is an error
+    naming the file, not a JSON error from the middle of the rejudge."""
+    from rejudge import engine_runs
+
+    one_engine_run(tmp_path, out='{"start_s": 1.0, "dty')
+    runs = engine_runs(tmp_path, fake_manifest(), gpus=1)
+    error = runs[("glm5", "f16", "flashmla-bf16")]["error"]
+    assert "glm5-f16-flashmla-bf16.out.json" in error and "not complete JSON" in error
+
+
+@pytest.fixture
+def rejudge_run(tmp_path, monkeypatch):
+    """rejudge.py's command line on fake models and a fake judge: returns
+    run(engine_dir), the output file and the lines the judge saw."""
+    import rejudge
+    import test_engine
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "manifest.json").write_text(json.dumps(fake_manifest()))
+    monkeypatch.setenv("E2E_MODELS", str(models))
+    env = tmp_path / "record.jsonl"
+    env.write_text(json.dumps({"card": "NVIDIA H200", "gpus": 1}) + "\n")
+    out = tmp_path / "rejudged.jsonl"
+    judged = []
+
+    def evaluate(runs, manifest, model, gguf_type, path):
+        judged.append((model, gguf_type, path))
+        if len(judged) == 3:
+            raise RuntimeError("the oracle ran out of memory")
+        row = {"model": model, "gguf_type": gguf_type, "path": path}
+        res = runs[(model, gguf_type, path)]
+        return ({**row, "skipped": res["skip"]} if "skip" in res else row), []
+
+    monkeypatch.setattr(test_engine, "evaluate", evaluate)
+
+    def run(engine_dir):
+        monkeypatch.setattr("sys.argv", ["rejudge.py", str(engine_dir), str(out), "--env",
+                                         str(env)])
+        rejudge.main()
+
+    return run, out, judged
+
+
+@pytest.mark.parametrize("folder", ["missing", "empty"])
+def test_rejudge_of_a_folder_without_engine_runs_fails(rejudge_run, tmp_path, folder):
+    """Every case "skipped" and exit status 0 would read as a judged run."""
+    run, out, judged = rejudge_run
+    engine_dir = tmp_path / "engine0"
+    if folder == "empty":
+        engine_dir.mkdir()
+    with pytest.raises(SystemExit, match=rf"{engine_dir}: (no such folder|holds no engine run)"):
+        run(engine_dir)
+    assert not out.exists() and judged == []
+
+
+def test_rejudge_that_fails_part_way_leaves_its_output_file_as_it_was(rejudge_run, tmp_path):
+    run, out, judged = rejudge_run
+    one_engine_run(tmp_path)
+    out.write_text("the previous rejudge\n")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(tmp_path)
+    assert len(judged) == 3
+    assert out.read_text() == "the previous rejudge\n"
+    assert sorted(p.name for p in tmp_path.glob("rejudged*")) == ["rejudged.jsonl"]
