@@ -18,15 +18,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${WHEELHOUSE:-dist/wheelhouse}
+OUT=${OUT%/}
 PY_VERSION=${WHEELHOUSE_PYTHON:-3.12}
 ARCH=${WHEELHOUSE_PLATFORM:-x86_64}
 step() { printf '\n==> %s\n' "$*"; }
 
+# A complete wheelhouse is replaced; any other folder is not ours to delete.
+if [ -e "$OUT" ] && [ ! -f "$OUT/MANIFEST.txt" ] && [ -n "$(ls -A "$OUT" 2>/dev/null || echo x)" ]; then
+  echo "error: WHEELHOUSE=$OUT exists and is no complete wheelhouse (no MANIFEST.txt);" \
+       "remove it or choose another folder" >&2
+  exit 2
+fi
+
 ./build.sh
 version=$(python3 scripts/series.py version)
 wheel=$(ls dist/vllm-"$version"-*.whl)
-mkdir -p "$OUT"
-cp "$wheel" "$OUT/"
+# Filled beside the output and moved into its place once complete: a failed
+# or interrupted run (index unreachable, Ctrl-C) leaves $OUT as it was.
+tmp="$OUT.partial"
+rm -rf "$tmp"
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp"
+cp "$wheel" "$tmp/"
 
 # Every manylinux tag a current distribution can run (pip matches tags exactly).
 platforms=()
@@ -36,11 +49,14 @@ platforms+=(--platform "manylinux1_$ARCH" --platform "manylinux2010_$ARCH" --pla
            --platform "linux_$ARCH")
 step "requirements for Python $PY_VERSION on $ARCH -> $OUT"
 python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
-  --implementation cp "${platforms[@]}" -d "$OUT" \
+  --implementation cp "${platforms[@]}" -d "$tmp" \
   "$wheel" -r tests/requirements.txt
 
 step "llama-cpp-python from the pinned sdist (CPU build, portable)"
-python3 tests/e2e/models.py llama-cpp-wheel "$OUT"
-python3 tests/e2e/models.py converter "$OUT/llama.cpp-converter.tar.gz"
-( cd "$OUT" && ls -1 > MANIFEST.txt )
+python3 tests/e2e/models.py llama-cpp-wheel "$tmp"
+python3 tests/e2e/models.py converter "$tmp/llama.cpp-converter.tar.gz"
+( cd "$tmp" && ls -1 > MANIFEST.txt )
+rm -rf "$OUT"
+mv "$tmp" "$OUT"
+trap - EXIT
 du -sh "$OUT"

@@ -277,3 +277,34 @@ def test_test_gpu_without_a_gpu_fails_before_anything_runs(fake_repo, gpus):
     else:
         assert result.returncode == 0, result.stderr
         assert "tests/e2e/models.py build" in calls and "-m pytest tests -m gpu" in calls
+
+
+def test_failed_wheelhouse_leaves_no_half_filled_folder(fake_repo):
+    """`make wheelhouse` whose `pip download` fails (no index reachable; the
+    stand-in wheel is no wheel either) after the series' wheel was copied.
+    The output appears only when complete; a complete one from before stays
+    as it was; a folder that is no wheelhouse is not deleted."""
+    dist = fake_repo.root / "dist"
+    (fake_repo.root / "tests").mkdir()
+    (fake_repo.root / "tests/requirements.txt").write_text("numpy\n")
+    env = fake_repo.env(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1")  # no index reachable
+
+    def wheelhouse() -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "wheelhouse"], cwd=fake_repo.root, env=env, text=True,
+                              capture_output=True, timeout=300)
+
+    result = wheelhouse()
+    assert result.returncode != 0 and "ERROR" in result.stderr, result.stderr
+    assert sorted(p.name for p in dist.iterdir()) == [OLD_WHEEL, OLD_WHEEL + ".mode"]
+    complete = dist / "wheelhouse"
+    complete.mkdir()
+    (complete / "old.whl").write_text("old\n")
+    (complete / "MANIFEST.txt").write_text("MANIFEST.txt\nold.whl\n")
+    assert wheelhouse().returncode != 0
+    assert sorted(p.name for p in complete.iterdir()) == ["MANIFEST.txt", "old.whl"]
+    assert not (dist / "wheelhouse.partial").exists()
+    (complete / "MANIFEST.txt").unlink()
+    result = wheelhouse()
+    assert result.returncode == 2
+    assert "exists and is no complete wheelhouse (no MANIFEST.txt)" in result.stderr
+    assert (complete / "old.whl").read_text() == "old\n"
