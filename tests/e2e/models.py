@@ -5,7 +5,9 @@ end-to-end engine tests (tests/e2e/test_engine.py, test_serve.py).
     python tests/e2e/models.py llama-cpp-wheel DIR  # for `make wheelhouse`
     python tests/e2e/models.py converter FILE.tar.gz
 
-builds, in DIR (cached: a model whose recipe is unchanged is not rebuilt):
+builds, in DIR (cached: a model whose recipe is unchanged and whose files are
+what manifest.json says is not rebuilt; a model's folder appears only once
+it is complete):
 
 - one Hugging Face directory per model (config, safetensors, a word-level
   tokenizer with a chat template): the engine's --hf-config-path and
@@ -32,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -289,53 +292,97 @@ def build_llama_cpp_wheel(dest: Path) -> None:
                     str(sdist())], env=env, check=True)
 
 
+def _mismatch(entry: dict | None, mdir: Path, recipe: str, types: tuple[str, ...]) -> str:
+    """Why a model folder is not what `build` would make ("" when it is): its
+    manifest entry is checked against the files it names."""
+    if not entry or entry.get("recipe") != recipe:
+        return "new recipe"
+    if missing := sorted(set(types) - set(entry["gguf"])):
+        return f"no {', '.join(missing)} file"
+    if not (mdir / entry["hf"] / "config.json").is_file():
+        return f"{entry['hf']}/config.json is missing"
+    for t, name in entry["gguf"].items():
+        if name != f"{mdir.name}-{t}.gguf":
+            return f"{t} names {name}"
+        if not (mdir / name).is_file():
+            return f"{name} is missing"
+        if sorted(set(tensor_types(mdir / name).values())) != entry["types"].get(t):
+            return f"{name} holds other tensor types than the manifest says"
+    return ""
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     manifest: dict = {"models": {}}
-    converter = None
-    for spec in MODELS.values():
-        recipe = _recipe_hash(spec)
-        mdir = out / spec.name
-        entry = old.get("models", {}).get(spec.name)
-        if entry and entry["recipe"] == recipe and set(types) <= set(entry["gguf"]) and all(
-            (mdir / f).is_file() for f in entry["gguf"].values()
-        ):
-            print(f"[e2e-models] {spec.name}: up to date", flush=True)
-            manifest["models"][spec.name] = entry
-            continue
+    with tempfile.TemporaryDirectory() as work:
+        converter = None
+        for spec in MODELS.values():
+            recipe = _recipe_hash(spec)
+            mdir = out / spec.name
+            entry = old.get("models", {}).get(spec.name)
+            if not (why := _mismatch(entry, mdir, recipe, types)):
+                print(f"[e2e-models] {spec.name}: up to date", flush=True)
+                manifest["models"][spec.name] = entry
+                continue
+            if entry:
+                print(f"[e2e-models] {spec.name}: rebuilt ({why})", flush=True)
+            if converter is None:
+                converter = converter_dir(Path(work))
+            manifest["models"][spec.name] = _build_model(spec, recipe, mdir, converter, types)
+            _write_json(manifest_path, manifest)
+    _write_json(manifest_path, manifest)
+    return manifest
+
+
+def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
+                 types: tuple[str, ...]) -> dict:
+    """Build one model in <mdir>.partial and put it in mdir's place once
+    complete: a failed or interrupted build leaves no half-written model.
+    Returns its manifest entry."""
+    tmp = mdir.with_name(f"{mdir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         print(f"[e2e-models] {spec.name}: checkpoint", flush=True)
-        hf = mdir / "hf"
-        hf.mkdir(parents=True, exist_ok=True)
+        hf = tmp / "hf"
+        hf.mkdir(parents=True)
         build_checkpoint(spec, hf)
-        if converter is None:
-            converter = converter_dir(out / "_llama_cpp")
         # F32 is the quantizer's input.
         needs_f32 = bool(set(types) & set(QUANTIZED))
         converted = [t for t in CONVERTED if t in types or (t == "f32" and needs_f32)]
-        jobs = [{"model": str(hf), "outtype": t, "outfile": str(mdir / f"{spec.name}-{t}.gguf")}
+        jobs = [{"model": str(hf), "outtype": t, "outfile": str(tmp / f"{spec.name}-{t}.gguf")}
                 for t in converted]
-        (mdir / "jobs.json").write_text(json.dumps(jobs))
-        print(f"[e2e-models] {spec.name}: llama.cpp converter ({', '.join(converted)})", flush=True)
-        subprocess.run([sys.executable, str(CONVERTER), str(converter), str(mdir / "jobs.json")],
+        (tmp / "jobs.json").write_text(json.dumps(jobs))
+        print(f"[e2e-models] {spec.name}: llama.cpp converter ({', '.join(converted)})",
+              flush=True)
+        subprocess.run([sys.executable, str(CONVERTER), str(converter), str(tmp / "jobs.json")],
                        check=True)
         files = {t: f"{spec.name}-{t}.gguf" for t in converted}
         for q in (t for t in QUANTIZED if t in types):
             print(f"[e2e-models] {spec.name}: llama.cpp quantizer -> {q}", flush=True)
-            quantize(mdir / files["f32"], mdir / f"{spec.name}-{q}.gguf", q)
+            quantize(tmp / files["f32"], tmp / f"{spec.name}-{q}.gguf", q)
             files[q] = f"{spec.name}-{q}.gguf"
-        manifest["models"][spec.name] = {
+        entry = {
             "recipe": recipe,
             "layers": spec.layers,
             "mtp_layers": spec.mtp_layers,
             "hf": "hf",
             "gguf": files,
-            "types": {t: sorted(set(tensor_types(mdir / f).values())) for t, f in files.items()},
+            "types": {t: sorted(set(tensor_types(tmp / f).values())) for t, f in files.items()},
         }
-        manifest_path.write_text(json.dumps(manifest, indent=1))
-    manifest_path.write_text(json.dumps(manifest, indent=1))
-    return manifest
+        shutil.rmtree(mdir, ignore_errors=True)
+        os.rename(tmp, mdir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return entry
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ merged experts put back), and the test models are well-conditioned."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 import torch
 from cases import models, prompts
@@ -74,3 +77,60 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models):
         hits += sum(drafts[i] == seq[i + 2] for i in range(len(prompt) - 2, len(seq) - 2))
         total += len(seq) - len(prompt)
     assert hits / total >= 0.25, f"{hits} of {total} drafts are the target's greedy tokens"
+
+
+@pytest.fixture
+def fake_tools(tmp_path, monkeypatch):
+    """models.build with stand-ins for transformers, llama.cpp's converter and
+    quantizer: each GGUF file holds its type's name, which is also its one
+    tensor type. FAIL_CONVERT=<model> makes the converter fail for it."""
+    built = []
+
+    def checkpoint(spec, path):
+        built.append(spec.name)
+        (path / "config.json").write_text("{}")
+
+    converter = tmp_path / "convert.py"
+    converter.write_text(
+        "import json, os, sys\n"
+        "fail = os.environ.get('FAIL_CONVERT')\n"
+        "for job in json.load(open(sys.argv[2])):\n"
+        "    open(job['outfile'], 'w').write(job['outtype'])\n"
+        "    if fail and fail in os.path.basename(job['outfile']):\n"
+        "        sys.exit('converter failed')\n")
+    monkeypatch.setattr(models, "CONVERTER", converter)
+    monkeypatch.setattr(models, "build_checkpoint", checkpoint)
+    monkeypatch.setattr(models, "converter_dir", lambda work: work)
+    monkeypatch.setattr(models, "quantize", lambda src, dst, q: dst.write_text(q))
+    monkeypatch.setattr(models, "tensor_types", lambda path: {"t": path.read_text().upper()})
+    return built
+
+
+def test_failed_model_build_leaves_no_half_written_model(fake_tools, tmp_path, monkeypatch):
+    out = tmp_path / "e2e"
+    monkeypatch.setenv("FAIL_CONVERT", "glm52-")
+    with pytest.raises(subprocess.CalledProcessError):
+        models.build(out, types=("f32", "q8_0"))
+    # glm5 was complete and stays; nothing of glm52 is left to be taken as built.
+    assert sorted(p.name for p in out.iterdir()) == ["glm5", "manifest.json"]
+    assert list(json.loads((out / "manifest.json").read_text())["models"]) == ["glm5"]
+    monkeypatch.delenv("FAIL_CONVERT")
+    fake_tools.clear()
+    models.build(out, types=("f32", "q8_0"))
+    assert fake_tools == ["glm52", "dsv32"]
+
+
+def test_manifest_is_checked_against_the_files_it_names(fake_tools, tmp_path):
+    """A manifest that points every type at one file, or names a file of
+    other tensor types, is not taken as up to date."""
+    out = tmp_path / "e2e"
+    manifest = models.build(out, types=("f32", "f16"))
+    assert fake_tools == ["glm5", "glm52", "dsv32"]
+    fake_tools.clear()
+    assert models.build(out, types=("f32", "f16")) == manifest and fake_tools == []
+    broken = json.loads(json.dumps(manifest))
+    broken["models"]["glm5"]["gguf"] = {t: "glm5-f32.gguf" for t in ("f32", "f16")}
+    (out / "glm52" / "glm52-f16.gguf").write_text("q8_0")
+    (out / "manifest.json").write_text(json.dumps(broken))
+    assert models.build(out, types=("f32", "f16")) == manifest
+    assert fake_tools == ["glm5", "glm52"]
