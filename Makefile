@@ -6,7 +6,7 @@ export VENV
 # that the target started, and make returns once all of it has exited.
 SUPERVISE = python3 scripts/supervise.py
 
-.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench clean
+.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench soak clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
@@ -52,6 +52,14 @@ e2e-models:
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
 bench:
 	$(SUPERVISE) scripts/run-bench.sh
+
+## soak: `vllm serve` under load and abuse for minutes (GPU): SOAK_GGUF / SOAK_HF (default the
+## end-to-end GLM-5 Q4_K_M), SOAK_OUT (default build/soak), SOAK_ARGS (soak.py's own arguments,
+## then `-- <vllm serve arguments>`, e.g. "--minutes 10 -- --tensor-parallel-size 2")
+soak:
+	$(SUPERVISE) $(VENV)/bin/python scripts/soak.py \
+	  --gguf $${SOAK_GGUF:-build/e2e/glm5/glm5-q4_k_m.gguf} --hf $${SOAK_HF:-build/e2e/glm5/hf} \
+	  --out $${SOAK_OUT:-build/soak} $${SOAK_ARGS:-}
 
 clean:
 	rm -rf build dist vllm-src.new

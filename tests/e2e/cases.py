@@ -32,3 +32,11 @@ def prompts() -> list[list[int]]:
     rng = random.Random(2026)
     lo, hi = models.FIRST_TEXT_TOKEN, models.VOCAB - 1
     return [[rng.randint(lo, hi) for _ in range(384)], [rng.randint(lo, hi) for _ in range(96)]]
+
+
+def index_topk(manifest: dict, model: str) -> int:
+    """The model's index_topk, from the config the engine reads."""
+    import json
+
+    hf, _ = model_paths(manifest, model, next(iter(manifest["models"][model]["gguf"])))
+    return json.loads((hf / "config.json").read_text())["index_topk"]

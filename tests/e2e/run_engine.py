@@ -1,10 +1,15 @@
 """One engine run, in its own process (the environment decides vLLM's
 choices at import time): `python run_engine.py CASE.json OUT.json`.
 
-CASE: {"gguf", "hf", "prompts", "max_tokens", "llm": {LLM keyword args}}.
+CASE: {"gguf", "hf", "prompts", "max_tokens", "llm": {LLM keyword args},
+"full_logprobs": vocabulary size (optional)}.
 OUT: per prompt the teacher-forced log-probability of each prompt token and
 the engine's top-1 token there, the greedy continuation, plus what the
 engine chose (attention backend, dtype, indexer) and spec-decode counters.
+With full_logprobs (the LLM needs max_logprobs as large), OUT minus its
+".json" plus ".logprobs.pt" holds every position's whole log-probability
+vector: per prompt, "prompt" [prompt tokens - 1, vocab] and "generated"
+[generated tokens, vocab] (float32; NaN where the engine gave none).
 """
 
 from __future__ import annotations
@@ -12,6 +17,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
+
+
+def full_logprobs_path(out: Path) -> Path:
+    return out.with_name(out.name.removesuffix(".json") + ".logprobs.pt")
+
+
+def _dense(entries, vocab: int):
+    import torch
+
+    rows = torch.full((len(entries), vocab), float("nan"))
+    for i, entry in enumerate(entries):
+        for token, lp in entry.items():
+            rows[i, token] = lp.logprob
+    return rows
 
 
 def main() -> None:
@@ -22,11 +42,16 @@ def main() -> None:
     llm = LLM(model=case["gguf"], hf_config_path=case["hf"], tokenizer=case["hf"],
               seed=0, **case["llm"])
     started = time.monotonic() - start
+    full = case.get("full_logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True,
-                            prompt_logprobs=1, logprobs=1)
+                            prompt_logprobs=full or 1, logprobs=full or 1)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params)
     result = {"start_s": round(started, 1), "prompts": []}
+    vectors = []
     for out in outputs:
+        if full:
+            vectors.append({"prompt": _dense(out.prompt_logprobs[1:], full),
+                            "generated": _dense(out.outputs[0].logprobs, full)})
         actual, top1 = [], []
         for pos, entry in enumerate(out.prompt_logprobs):
             if entry is None:  # the first token has no prediction
@@ -52,6 +77,10 @@ def main() -> None:
                     metric, "value", None)
     except Exception as e:  # metrics are informative only
         result["spec"]["error"] = repr(e)
+    if full:
+        import torch
+
+        torch.save(vectors, full_logprobs_path(Path(sys.argv[2])))
     json.dump(result, open(sys.argv[2], "w"))
 
 

@@ -1,22 +1,27 @@
 """The engine tests' judging on made-up numbers (CPU): what compare() reports
-for the prompt tokens, the greedy tokens and the decode steps."""
+for the prompt tokens, the greedy tokens and the decode steps, split by the
+indexer's top-k selection, and what check_bar lets through."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from cases import prompts
-from test_engine import MAX_TOKENS, compare
+from test_engine import MAX_TOKENS, check_bar, compare
 
 VOCAB = 512
 
 
-def _case(decode_error: float, flip_at: int | None = None):
+def _case(decode_error: float, flip_at: int | None = None, active_error: float | None = None,
+          topk: int = 128, full_scale: float | None = None):
     """An engine result, the oracle over each prompt and over prompt +
     generated (log-probabilities); the engine
     result that is off by 0.05 nats on every prompt token and by
     decode_error on every generated one; flip_at: a greedy token that is
-    the oracle's second choice, 0.3 nats below its first."""
+    the oracle's second choice, 0.3 nats below its first; active_error: the
+    prompt tokens that see more than topk keys are off by that instead;
+    full_scale: the engine's whole vectors are the oracle's times it, plus
+    a constant (a scale-free error of exactly full_scale - 1)."""
     gen = torch.Generator().manual_seed(0)
     result, over_prompt, oracle = {"prompts": []}, [], []
     for prompt in prompts():
@@ -31,12 +36,19 @@ def _case(decode_error: float, flip_at: int | None = None):
         target = torch.tensor(prompt[1:])
         ref = lp[: len(prompt) - 1].gather(1, target[:, None])[:, 0]
         chosen = lp[len(prompt) - 1 : n - 1].gather(1, torch.tensor(generated)[:, None])[:, 0]
-        result["prompts"].append({
-            "prompt_logprob": (ref + 0.05).tolist(),
+        off = torch.full_like(ref, 0.05)
+        if active_error is not None:
+            off[torch.arange(1, len(prompt)) > topk] = active_error
+        entry = {
+            "prompt_logprob": (ref + off).tolist(),
             "prompt_top1": lp[: len(prompt) - 1].argmax(-1).tolist(),
             "generated": generated,
             "generated_logprob": (chosen - decode_error).tolist(),
-        })
+        }
+        if full_scale is not None:
+            entry["full"] = {"prompt": lp[: len(prompt) - 1] * full_scale + 3.0,
+                             "generated": lp[len(prompt) - 1 : n - 1] * full_scale - 2.0}
+        result["prompts"].append(entry)
         over_prompt.append(lp[: len(prompt)])
         oracle.append(lp)
     return result, over_prompt, oracle
@@ -64,3 +76,46 @@ def test_non_finite_engine_logprobs_fail():
     result["prompts"][0]["generated_logprob"][3] = float("nan")
     with pytest.raises(AssertionError, match="non-finite"):
         compare(result, over_prompt, oracle)
+
+
+def test_figures_apart_where_the_topk_selection_is_active():
+    result, over_prompt, oracle = _case(decode_error=0.1, active_error=0.25, full_scale=1.1)
+    out = compare(result, over_prompt, oracle, near_tie=0.1, topk=128)
+    long, short = (len(p) for p in prompts())
+    active, rest = out["topk_active"], out["all_keys"]
+    # position i sees i + 1 keys: the long prompt's last long - 1 - 128
+    assert active["n"] == long - 1 - 128 and rest["n"] == 128 + short - 1
+    assert abs(active["mean"] - 0.25) < 1e-4 and abs(rest["mean"] - 0.05) < 1e-4
+    # a scaled, shifted copy: the shift is invisible, the scale is all of it
+    assert abs(active["rel"] - 0.1) < 1e-4 and abs(rest["rel"] - 0.1) < 1e-4
+    # decode: the long prompt's generated tokens see > 128 keys, the short's not
+    dec = out["decode"]
+    assert dec["topk_active"]["n"] == MAX_TOKENS and dec["all_keys"]["n"] == MAX_TOKENS
+    assert abs(dec["topk_active"]["rel"] - 0.1) < 1e-4
+
+
+def test_non_finite_whole_vectors_fail():
+    result, over_prompt, oracle = _case(decode_error=0.0, full_scale=1.0)
+    result["prompts"][1]["full"]["prompt"][7, 3] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        compare(result, over_prompt, oracle, topk=128)
+
+
+def _judged(active_error: float, full_scale: float):
+    result, over_prompt, oracle = _case(decode_error=0.0, active_error=active_error,
+                                        full_scale=full_scale)
+    return compare(result, over_prompt, oracle, near_tie=0.1, topk=128)
+
+
+def test_bar_catches_a_wrong_selection_the_overall_mean_hides():
+    """The fp16 defect's shape (issue figures: scale-free 0.178 against the
+    peer's 0.037 where the selection is active): the all-positions bars
+    with their slack let it pass, the split ones do not."""
+    peer = _judged(active_error=0.06, full_scale=1.037)
+    broken = _judged(active_error=0.09, full_scale=1.178)
+    fixed = _judged(active_error=0.07, full_scale=1.043)
+    old_rules = [m for m in check_bar(broken, peer) if "topk_active" not in m
+                 and "all_keys" not in m]
+    assert not old_rules, old_rules
+    assert any(m.startswith("topk_active rel") for m in check_bar(broken, peer))
+    assert not check_bar(fixed, peer)

@@ -242,6 +242,48 @@ def test_paged_mqa_logits(upcast, next_n, ctx_2d, h, block_size):
     assert rel_err(out2[valid], ref[valid]) < 1e-5
 
 
+@pytest.mark.parametrize("upcast", [False, True], ids=["fp8", "fp8->fp16"])
+def test_paged_mqa_logits_masks_block_ids_outside_the_cache(upcast):
+    """Block ids < 0 or >= the cache's block count: never read, their keys
+    score -inf; every other key as the reference. The blocks past the real
+    cache are NaN bytes (0xFF), so a read of them would show."""
+    b, next_n, h, d, block_size, max_model_len = 2, 1, 8, 128, 16, 96
+    q, cache, w, ctx, bt, ref = build_paged_case(
+        b, next_n, h, d, block_size, max_model_len, False, seed=29)
+    real = cache.shape[0]
+    padded = torch.cat([cache, torch.full_like(cache, 0xFF)])[:real + 4]
+    view = padded[:real]  # the kernel sees `real` blocks; 4 NaN blocks follow
+    bt = bt.clone()
+    bt[0, 1], bt[1, 0] = real + 2, -3
+    out = tdi.fp8_paged_mqa_logits(q, view, w, ctx, bt, None, max_model_len,
+                                   clean_logits=True, upcast=upcast)
+    assert not out.isnan().any()
+    bad = torch.zeros_like(ref, dtype=torch.bool)
+    bad[0, block_size : 2 * block_size] = True
+    bad[1, :block_size] = True
+    valid = torch.isfinite(ref) & ~bad
+    assert torch.isneginf(out[bad]).all()
+    assert torch.equal(torch.isneginf(out), ~valid)
+    assert rel_err(out[valid], ref[valid]) < 1e-5
+
+
+def test_paged_mqa_logits_cuts_contexts_to_the_logits_row():
+    """A context past max_model_len (the logits' width) is cut to it: not
+    written into the next row, no page past the block table's row read."""
+    b, next_n, h, d, block_size, max_model_len = 3, 1, 4, 128, 16, 64
+    q, cache, w, ctx, bt, ref = build_paged_case(
+        b, next_n, h, d, block_size, max_model_len, False, seed=31)
+    ctx = ctx.clone()
+    ctx[1] = max_model_len + 3 * block_size  # ref row 1: the full width
+    ctx[2] = 5  # row 2 keeps its first 5 keys
+    out = torch.full((b * next_n, max_model_len), float("nan"))
+    tdi.fp8_paged_mqa_logits(q, cache, w, ctx, bt, None, max_model_len,
+                             clean_logits=False, out=out)
+    assert rel_err(out[1], ref[1]) < 1e-5
+    assert rel_err(out[2, :5], ref[2, :5]) < 1e-5
+    assert out[2, 5:].isnan().all(), "row 1 wrote into row 2"
+
+
 # ---------------------------------------------------------------------------
 # Top-k fallback
 # ---------------------------------------------------------------------------
@@ -291,6 +333,26 @@ def test_topk_prefill_fallback(topk):
     assert (out[:, topk:] == -7).all()
     ref_vals = torch.nan_to_num(logits.double(), nan=float("-inf"))
     assert_topk_matches(out[:, :topk], ref_vals, ks, ke, topk)
+
+
+def test_topk_fallback_never_leaves_the_window():
+    """A row longer than topk with fewer finite logits than topk (keys of
+    masked blocks score -inf): its picks stay inside the window, the rest
+    are -1."""
+    rows, n, topk = 3, 64, 16
+    logits = torch.full((rows, n), float("-inf"))
+    ks = torch.tensor([0, 10, 30], dtype=torch.int32)
+    ke = torch.tensor([40, 50, 64], dtype=torch.int32)
+    finite = {0: [3, 7], 1: [12, 20, 49], 2: []}
+    for r, cols in finite.items():
+        logits[r, cols] = torch.arange(len(cols), dtype=torch.float32)
+    out = torch.full((rows, topk), -7, dtype=torch.int32)
+    tdi.top_k_per_row_prefill(logits, ks, ke, out, rows, n, 1, topk)
+    for r, cols in finite.items():
+        got = out[r].tolist()
+        want = sorted(c - int(ks[r]) for c in cols)
+        assert sorted(i for i in got if i != -1) == want, (r, got)
+        assert got.count(-1) == topk - len(cols), (r, got)
 
 
 @pytest.mark.parametrize("seq_2d", [False, True])

@@ -236,6 +236,9 @@ def dsa_indexer_kernels(
                     "bt_ptr": "*i32",
                     "out_ptr": "*fp32",
                     "NUM_SPLITS": "i32",
+                    "num_blocks": "i32",
+                    "max_pages": "i32",
+                    "out_width": "i32",
                     **{
                         f"stride_{n}": "i32"
                         for n in ("qb", "qn", "qh", "wt", "bt", "ot")
@@ -265,3 +268,36 @@ def dsa_indexer_kernels(
                     )
                 )
     return kernels
+
+
+# ---------------------------------------------------------------------------
+# DSA indexer K-cache writer (vllm/v1/attention/ops/dsa_indexer_k_cache.py)
+# ---------------------------------------------------------------------------
+
+
+def dsa_indexer_k_cache_kernel(
+    dtype: torch.dtype, head_dim: int = 128, quant_block: int = 128
+) -> AotKernel:
+    """The writer as the engine launches it (ue8m0 scales)."""
+    from vllm.v1.attention.ops import dsa_indexer_k_cache as kc
+
+    sig = {
+        "k_ptr": {torch.float32: "*fp32", **_PTR}[dtype],
+        "k_stride": "i32",
+        "cache_ptr": "*u8",
+        "cache_f32_ptr": "*fp32",
+        "slot_ptr": "*i64",
+        "block_stride": "i32",
+        "cache_block_size": "i32",
+        "num_slots": "i32",
+    }
+    consts = {"HEAD_DIM": head_dim, "QUANT_BLOCK": quant_block, "USE_UE8M0": True}
+    sig.update({name: "constexpr" for name in consts})
+    return AotKernel(
+        name=f"k_cache[{str(dtype).removeprefix('torch.')}]",
+        fn=kc._indexer_k_quant_and_cache_kernel,
+        signature=sig,
+        constexprs=consts,
+        options={"num_warps": 1, "num_stages": 1},
+        aligned=("k_ptr", "cache_ptr", "cache_f32_ptr", "slot_ptr"),
+    )

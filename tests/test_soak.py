@@ -1,0 +1,198 @@
+"""scripts/soak.py (`make soak`) on CPU: its client against a small
+OpenAI-style server on 127.0.0.1 that answers like `vllm serve` (and, on
+purpose, breaks in the ways the soak must catch), and its judging on
+made-up runs. The soak itself needs a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import soak
+
+VOCAB, MAX_LEN = 512, 256
+
+
+def _app(bug: str | None):
+    from aiohttp import web
+
+    state = {"probes": 0}
+
+    def reject(status: int, message: str):
+        return web.json_response({"error": {"message": message, "code": status}},
+                                 status=status)
+
+    async def health(_):
+        return web.Response(text="")
+
+    async def generate(request):
+        if request.content_type != "application/json":
+            return reject(415, f"unsupported content type {request.content_type}")
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return reject(400, "the request body is not valid JSON")
+        if body.get("model") != "soak":
+            return reject(404, f"the model `{body.get('model')}` does not exist")
+        chat = "messages" in body
+        prompt = [8] * 10 if chat else body.get("prompt")
+        if not prompt:
+            return reject(400, "the prompt is empty")
+        if any(t >= VOCAB for t in prompt):
+            return reject(400, "token id out of vocabulary")
+        max_tokens = body.get("max_tokens", 16)
+        if len(prompt) + max_tokens > MAX_LEN:
+            return reject(400, f"{len(prompt)} + {max_tokens} tokens exceed {MAX_LEN}")
+        lp = body.get("logprobs")
+        if lp is not None and not chat and not 0 <= lp <= 20:
+            return reject(400, f"logprobs {lp} is not in [0, 20]")
+        if bug == "500" and body.get("n") == 3:
+            return web.Response(status=500, text="Internal Server Error")
+        greedy = body.get("temperature") == 0.0
+        if greedy and body.get("return_token_ids"):
+            state["probes"] += 1
+        shift = 1 if bug == "probe" and state["probes"] > 2 else 0
+        tokens = [(sum(prompt) + i + shift) % VOCAB for i in range(max_tokens)]
+        value = float("nan") if bug == "nan" and lp else -0.5
+        logprobs = {"token_logprobs": [value] * len(tokens)} if lp else None
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for t in tokens:
+                chunk = {"choices": [{"index": 0, "text": f"<t{t}>", "logprobs": (
+                    {"token_logprobs": [value]} if lp else None)}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(0.002)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        choice = {"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs}
+        return web.json_response({"choices": [choice] * body.get("n", 1),
+                                  "usage": {"completion_tokens": len(tokens)}},
+                                 dumps=lambda x: json.dumps(x))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    return app
+
+
+@contextmanager
+def fake_server(bug: str | None = None):
+    from aiohttp import web
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(_app(bug))
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    try:
+        yield soak.Target(f"http://127.0.0.1:{port}", "soak", MAX_LEN, VOCAB)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _soak(bug: str | None, seconds: float = 4.0) -> tuple[dict, list[str]]:
+    run = soak.Run()
+    with fake_server(bug) as target:
+        asyncio.run(soak.drive(target, seconds, 8, 0, lambda: (1000.0, 500.0), run))
+    run.preemptions, run.alive_after = 3.0, True
+    return soak.verdict(run, stall_s=2.0)
+
+
+def test_the_client_drives_every_kind_and_a_sound_server_passes():
+    summary, failures = _soak(None)
+    assert not failures, failures
+    assert summary["probes"] >= 3 and summary["probe_outputs"] == 1
+    assert summary["rejected_4xx"] >= len(soak.bad_requests(soak.Target("", "", 1, 1)))
+    assert summary["client_stops"] > 0 and summary["completed"] > 20
+
+
+@pytest.mark.parametrize("bug,expect", [
+    ("500", "failed (5xx"),
+    ("nan", "non-finite logprobs"),
+    ("probe", "the greedy probe changed"),
+])
+def test_a_broken_server_fails_the_soak(bug, expect):
+    _, failures = _soak(bug)
+    assert any(expect in f for f in failures), failures
+
+
+def test_stall_is_the_longest_silence_with_requests_in_flight():
+    events = [1.0, 2.0, 9.5, 10.0, 30.0]
+    assert soak.max_stall(events, [(0.5, 10.5)]) == pytest.approx(7.5)
+    # silence while nothing was in flight is no stall
+    assert soak.max_stall(events, [(0.5, 10.5), (29.0, 30.5)]) == pytest.approx(7.5)
+    assert soak.max_stall([], [(0.0, 4.0)]) == pytest.approx(4.0)
+
+
+def test_memory_growth_is_judged_on_the_last_half():
+    level = [1000.0] * 10 + [1010.0] * 10
+    leak = [1000.0 + 40 * i for i in range(20)]
+    assert soak.growth(level) == pytest.approx(10.0)
+    assert soak.growth(leak) == pytest.approx(400.0)
+    run = soak.Run(samples=[soak.Sample(i, g, 500.0, 1) for i, g in enumerate(leak)],
+                   probes=[[1]], preemptions=1.0, alive_after=True)
+    _, failures = soak.verdict(run, 5.0)
+    assert failures == ["GPU memory grew 400 MiB over the last half"]
+
+
+def test_silent_4xx_dead_server_no_preemption_and_tracebacks_fail():
+    log = ("INFO ok\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+           "    g()\nRuntimeError: CUDA error: an illegal memory access\nINFO after\n")
+    run = soak.Run(outcomes=[soak.Outcome("bad", 0.0, 1.0, status=400, message="")],
+                   probes=[[1, 2], [1, 2]], alive_after=False,
+                   log_tracebacks=soak.tracebacks(log))
+    _, failures = soak.verdict(run, 5.0)
+    text = "\n".join(failures)
+    for expect in ("4xx without a message", "did not answer /health", "preempted nothing",
+                   "RuntimeError: CUDA error"):
+        assert expect in text, failures
+
+
+def test_logprob_check_sees_nan_and_inf_anywhere():
+    good = {"choices": [{"logprobs": {"content": [{"logprob": -1.0, "bytes": [60],
+                                                   "top_logprobs": [{"logprob": -2.0}]}]}}]}
+    assert soak._finite_logprobs(good)
+    for bad in (math.nan, math.inf, -math.inf):
+        nested = json.loads(json.dumps(good))
+        nested["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] = bad
+        assert not soak._finite_logprobs(nested)
+
+
+def test_concurrency_ramps_past_the_kv_cache_then_holds():
+    seen = [soak.concurrency_at(t, 300, 128) for t in range(0, 300, 10)]
+    assert seen[0] == 4 and max(seen) == 128 and seen == sorted(seen)
+    assert all(c == 128 for c in seen[len(seen) // 2 + 1:])
+
+
+def test_render_names_the_verdict():
+    head = {"date": "d", "card": "c", "vllm": "v", "gguf": "g", "minutes": 5,
+            "max_concurrency": 8, "command": "scripts/soak.py", "passed": False,
+            "summary": {"requests": 3}, "failures": ["a stall of 9.0 s"]}
+    md = soak.render([{"minute": 0, "requests": 3, "tokens_per_s": 1.5, "4xx": 1,
+                       "failed": 0}, head])
+    assert "| 0 | 3 | 1.5 | 1 | 0 |" in md and "**FAILED**" in md and "a stall of 9.0 s" in md
