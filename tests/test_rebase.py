@@ -279,6 +279,35 @@ def test_obsolete_if_header(project, tmp_path):
     assert outcome.results[1].detail == "Obsolete-If holds: c.py is gone"
 
 
+def test_collides_if_header_reports_upstream_work_of_the_same_name(project, tmp_path):
+    """`Collides-If:` is judged on the target release alone: the file the
+    patch creates itself is no collision; upstream's own one is, reported
+    beside the patch's status, in the table and in docs/compatibility.md."""
+    up, pin, pin_file, patches = project
+    p4 = read_series(patches)[3]  # "add d": creates d.py
+    p4.write_text(p4.read_text().replace(
+        "Upstream-Status: Pending",
+        "Upstream-Status: Pending\nCollides-If: d.py exists\n"
+        "Collides-If: b.py matches ^d_too = True$", 1))
+    edit(up, "e.py", None, "e = 1\n")
+    commit(up, "1.5")
+    quiet = rb.rebase(target_at(up, "1.5"), pin, patches, tmp_path / "r1", pin_file=pin_file)
+    assert statuses(quiet) == [rb.APPLIED] * 4 and not quiet.results[3].collisions
+    edit(up, "d.py", None, "d = 'upstream'\n")
+    edit(up, "b.py", "b = 1\n", "b = 1\nd_too = True\n")
+    commit(up, "2.0")
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "r2", pin_file=pin_file)
+    assert outcome.results[3].collisions == ["upstream has d.py",
+                                            "upstream's b.py matches `^d_too = True$`"]
+    assert "COLLIDES: upstream has d.py" in rb.format_table(outcome.results)
+    text = compat.compat_markdown(pin, read_series(patches), {"2.0": outcome.results})
+    assert "## Where upstream has work of the same name" in text
+    assert "  - 2.0: upstream has d.py" in text
+    p4.write_text(p4.read_text().replace("Collides-If: d.py exists", "Collides-If: d.py", 1))
+    with pytest.raises(SeriesError, match="neither `<path> matches <regex>` nor `<path> exists`"):
+        rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "r3", pin_file=pin_file)
+
+
 def test_index_lookup_picks_sdist_and_newest_wheel(tmp_path):
     names = ["vllm-0.23.0.tar.gz", "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl",
              "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl",

@@ -8,6 +8,7 @@ the first. The header rules (see README, "Working on the series"):
 - `Tests:` names the test files that cover the patch (or says `none [why]`);
   every path it names exists in this repository;
 - `Obsolete-If:` is `<path> is gone` or `<path> matches <regex>`.
+- `Collides-If:` is `<path> exists` or `<path> matches <regex>`.
 
 A field may go on over several lines (scripts/patchseries/patchfile.py).
 """

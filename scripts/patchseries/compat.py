@@ -80,6 +80,14 @@ def compat_markdown(pin: Pin, patches: list[Path], table: dict[str, list[PatchRe
             notes += [f"- `{patch.name}`", *lines]
     if notes:
         out += ["", "## Why a patch does not apply", "", *notes]
+    collisions = []
+    for i, patch in enumerate(patches):
+        lines = [f"  - {v}: {c}" for v in versions for c in table[v][i].collisions]
+        if lines:
+            collisions += [f"- `{patch.name}` (`Collides-If:`; its header says what to do)",
+                           *lines]
+    if collisions:
+        out += ["", "## Where upstream has work of the same name", "", *collisions]
     return "\n".join(out) + "\n"
 
 

@@ -5,7 +5,12 @@ header fields after the what/why text, e.g.
 
     Upstream-Status: Backport [vLLM 0.33.0]
     Obsolete-If: vllm/transformers_utils/gguf_utils.py is gone
+    Collides-If: vllm/v1/attention/backends/mla/triton_mla_sparse.py exists
     Tests: tests/gguf/test_speculators_probe.py
+
+`Collides-If:` names what upstream would have to carry for the patch to
+collide with upstream's own work of the same name; the patch header says
+what to do then, and `make rebase` reports it.
 
 A field's value may go on over the following lines, up to a blank line or
 the next field.
@@ -16,12 +21,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import PATCH_DIR, SeriesError
 
-FIELDS = ("Upstream-Status", "Obsolete-If", "Tests")
+FIELDS = ("Upstream-Status", "Obsolete-If", "Collides-If", "Tests")
 _CRLF_HEADER = re.compile(rb"^(?:From |Subject: |diff --git )[^\n]*\r$", re.M)
 _FIELD = re.compile(r"^([A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*):(?:\s+(.*?))?\s*$")
 
@@ -142,6 +147,8 @@ class PatchInfo:
     deleted: list[str]
     obsolete_if: list[tuple[str, str | None]]  # `Obsolete-If:` (path, regex; None: is gone)
     backport_of: str | None = None      # X of `Upstream-Status: Backport [vLLM X]`
+    collides_if: list[tuple[str, str | None]] = field(default_factory=list)
+    # `Collides-If:` (path, regex; None: exists)
 
     @property
     def name(self) -> str:
@@ -155,18 +162,8 @@ class PatchInfo:
 def read_patch(path: Path) -> PatchInfo:
     text = path.read_text(errors="replace")
     fields = header_fields(text)
-    obsolete_if = []
-    for value in fields.get("Obsolete-If", []):
-        cond = re.fullmatch(r"(\S+)\s+(?:matches\s+(.+)|(is gone))", value)
-        if not cond:
-            raise SeriesError(f"{path.name}: `Obsolete-If: {value}` is neither "
-                              "`<path> matches <regex>` nor `<path> is gone`")
-        if cond.group(2):
-            try:
-                re.compile(cond.group(2))
-            except re.error as e:
-                raise SeriesError(f"{path.name}: bad regex in Obsolete-If: {e}") from None
-        obsolete_if.append((cond.group(1), cond.group(2)))
+    obsolete_if = _conditions(path, fields, "Obsolete-If", "is gone")
+    collides_if = _conditions(path, fields, "Collides-If", "exists")
     backport = None
     for value in fields.get("Upstream-Status", []):
         m = re.match(r"Backport\s*\[(?:vLLM\s+)?v?(\d+(?:\.\d+)+)", value, re.I)
@@ -183,4 +180,23 @@ def read_patch(path: Path) -> PatchInfo:
             deleted.append(m.group(1))
         else:
             modified.append(m.group(1))
-    return PatchInfo(path, modified, created, deleted, obsolete_if, backport)
+    return PatchInfo(path, modified, created, deleted, obsolete_if, backport, collides_if)
+
+
+def _conditions(path: Path, fields: dict[str, list[str]], name: str,
+                word: str) -> list[tuple[str, str | None]]:
+    """(path, regex) of each `<name>: <path> matches <regex>`; (path, None)
+    of each `<name>: <path> <word>`."""
+    out = []
+    for value in fields.get(name, []):
+        cond = re.fullmatch(rf"(\S+)\s+(?:matches\s+(.+)|({word}))", value)
+        if not cond:
+            raise SeriesError(f"{path.name}: `{name}: {value}` is neither "
+                              f"`<path> matches <regex>` nor `<path> {word}`")
+        if cond.group(2):
+            try:
+                re.compile(cond.group(2))
+            except re.error as e:
+                raise SeriesError(f"{path.name}: bad regex in {name}: {e}") from None
+        out.append((cond.group(1), cond.group(2)))
+    return out

@@ -74,6 +74,8 @@ class PatchResult:
     status: str
     detail: str = ""
     files: list[str] = field(default_factory=list)
+    # what its `Collides-If:` found in the target release
+    collisions: list[str] = field(default_factory=list)
 
     @property
     def carried(self) -> bool:
@@ -180,6 +182,20 @@ def _classify(tree: Path, info: PatchInfo, dropped: dict[str, tuple[str, str]],
     return PatchResult(info.name, OFFSETS, "line offsets" if clean else "3-way merge", info.files)
 
 
+def _collisions(work: Path, info: PatchInfo) -> list[str]:
+    """What a patch's `Collides-If:` finds in the target release itself
+    (not in the series applied on it, which may create the same file)."""
+    found = []
+    for path, regex in info.collides_if:
+        if not _has(work, UPSTREAM_TAG, path):
+            continue
+        if regex is None:
+            found.append(f"upstream has {path}")
+        elif re.search(regex, git(work, "show", f"{UPSTREAM_TAG}:{path}").stdout, re.M):
+            found.append(f"upstream's {path} matches `{regex}`")
+    return found
+
+
 def _user_work(work: Path) -> list[str]:
     """What the user made in `work` since the tools last left it: commits on
     main, other branches, tags and stash entries, uncommitted changes."""
@@ -263,7 +279,10 @@ def classify_series(work: Path, patches: list[Path], version: str = "") -> list[
     for i, patch in enumerate(patches, 1):
         info = read_patch(patch)
         r = _classify(work, info, dropped, version)
-        print(f"[{i}/{len(patches)}] {patch.name}: {r.status}", flush=True)
+        r.collisions = _collisions(work, info)
+        collides = (f"; COLLIDES: {'; '.join(r.collisions)} (its header says what to do)"
+                    if r.collisions else "")
+        print(f"[{i}/{len(patches)}] {patch.name}: {r.status}{collides}", flush=True)
         if r.status in (CONFLICT, OBSOLETE):
             for f in info.created:
                 dropped[f] = (patch.name, r.status)
@@ -274,7 +293,10 @@ def classify_series(work: Path, patches: list[Path], version: str = "") -> list[
 def format_table(results: list[PatchResult]) -> str:
     width = max([len("patch")] + [len(r.name) for r in results])
     lines = [f"{'patch':<{width}}  {'status':<25}  detail", f"{'-' * width}  {'-' * 25}  ------"]
-    lines += [f"{r.name:<{width}}  {r.status:<25}  {r.detail}".rstrip() for r in results]
+    for r in results:
+        detail = "; ".join(x for x in [r.detail, *(f"COLLIDES: {c}" for c in r.collisions)]
+                           if x)
+        lines.append(f"{r.name:<{width}}  {r.status:<25}  {detail}".rstrip())
     return "\n".join(lines)
 
 
