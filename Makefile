@@ -6,7 +6,7 @@ export VENV
 # that the target started, and make returns once all of it has exited.
 SUPERVISE = python3 scripts/supervise.py
 
-.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench soak clean
+.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench bench-engine soak clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
@@ -52,6 +52,12 @@ e2e-models:
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
 bench:
 	$(SUPERVISE) scripts/run-bench.sh
+
+## bench-engine: `vllm serve` under `vllm bench serve` on real-width GGUF files (GPU): the series'
+## path vs upstream's vs llama.cpp, same run -> bench/results/<card>/engine.{jsonl,md};
+## BENCH_ENGINE_ARGS="--quick" (~8 min), "--stage prepare|run", "-- --files glm5-tp8:q8_0"
+bench-engine:
+	$(SUPERVISE) scripts/run-bench-engine.sh $${BENCH_ENGINE_ARGS:-}
 
 ## soak: `vllm serve` under load and abuse for minutes (GPU): SOAK_GGUF / SOAK_HF (default the
 ## end-to-end GLM-5 Q4_K_M), SOAK_OUT (default build/soak), SOAK_ARGS (soak.py's own arguments,

@@ -384,6 +384,14 @@ RENDERERS = {
 }
 
 
+def renderers() -> dict:
+    """RENDERERS and the engine benchmark's (make bench-engine), which
+    builds on this module's helpers (so it is imported late)."""
+    from engine.record import RENDERERS as engine
+
+    return {**RENDERERS, **engine}
+
+
 def has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -401,14 +409,14 @@ def render_all(root: Path, check: bool, png: bool) -> list[str]:
         problems.append(f"{root}: no <card>/<bench>.jsonl files")
     for src in sources:
         bench = src.stem
-        if bench not in RENDERERS:
-            problems.append(f"{src}: unknown bench {bench!r} (known: {sorted(RENDERERS)})")
+        if bench not in renderers():
+            problems.append(f"{src}: unknown bench {bench!r} (known: {sorted(renderers())})")
             continue
         run, rows = read(src)
         if run.get("bench") != bench:
             problems.append(f"{src}: run record names bench {run.get('bench')!r}, file {bench!r}")
             continue
-        for name, fn in RENDERERS[bench].items():
+        for name, fn in renderers()[bench].items():
             target = src.parent / name
             if name.endswith(".png"):
                 if not png:

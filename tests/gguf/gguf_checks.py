@@ -7,8 +7,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
@@ -125,3 +129,55 @@ def assert_matches(
     assert (err <= bound).all(), f"{what} (Q8_0): error {err.max()} over bound"
     rel = (err.norm() / ref.double().norm()).item()
     assert rel < 1e-2, f"{what} (Q8_0): relative error {rel}"
+
+
+def write_gguf(
+    dst: Path,
+    reader: gguf.GGUFReader,
+    tensors: list | None = None,
+    *,
+    metadata: bool = True,
+    kv: dict | None = None,
+    add: tuple = (),
+    retype: dict | None = None,
+) -> Path:
+    """Write `tensors` (default: all of `reader`'s) to `dst` with gguf-py's
+    writer, with `reader`'s metadata (unless not `metadata`) edited by `kv`
+    ({key: (value, type)}, value None drops the key), extra float tensors
+    `add` ((name, array), ...) and tensors of `retype` ({name: type}) stored
+    in another type (zero bytes of the same logical shape)."""
+    import gguf
+    import numpy as np
+    from gguf import GGUFValueType as VType
+
+    kv, retype = kv or {}, retype or {}
+    arch = str(reader.get_field("general.architecture").contents())
+    writer = gguf.GGUFWriter(dst, arch)
+    if metadata:
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name in kv:
+                continue
+            if field.name == "general.architecture":
+                continue
+            sub = field.types[-1] if field.types[0] == VType.ARRAY else None
+            writer.add_key_value(
+                field.name, field.contents(), field.types[0], sub_type=sub
+            )
+    for key, (value, vtype) in kv.items():
+        if value is not None:
+            writer.add_key_value(key, value, vtype)
+    for tensor in reader.tensors if tensors is None else tensors:
+        if (qtype := retype.get(tensor.name)) is not None:
+            shape = [int(d) for d in reversed(tensor.shape)]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            data = np.zeros((*shape[:-1], shape[-1] // block * size), np.uint8)
+            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    for name, array in add:
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

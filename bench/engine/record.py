@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The engine benchmark's data and its document.
+
+``bench/results/<card>/engine.jsonl`` (bench/benchdata.py's format: a run
+record, then one row per measured case) with these tables:
+
+- ``files``: a GGUF file (checkpoint, type): bytes, tensor types,
+  parameters, the routing check, build seconds;
+- ``servers``: one server start (file, path): what vLLM chose (backend,
+  indexer), weights / KV cache / CUDA-graph memory, KV tokens, bytes per
+  token, 32k-token sequences that fit, GPU memory, start seconds, command;
+- ``serve``: one workload against one server (`vllm bench serve`): output
+  and total tok/s, TTFT / TPOT / ITL percentiles, per-stream and prefill
+  tok/s, command;
+- ``llama_bench``: llama.cpp's own tool on the file (pp / tg at depth).
+
+``engine.md`` is rendered from it, next to it (bench/render.py's style:
+deterministic, the same data give the same bytes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchdata import read
+from render import fmt, header, table
+
+PEER = "flashmla-bf16"
+OURS = "triton-fp16"
+ENGINE_DOC = "../../../docs/performance.md"
+
+
+def _gb(b) -> str:
+    return "" if b is None else f"{b / 1e9:.2f}"
+
+
+def _types(t: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
+
+
+def engine_md(run: dict, rows: list[dict]) -> str:
+    out = ["# Engine: `vllm serve` under `vllm bench serve`, peers in the same run", ""]
+    out += [*header(run), ""]
+    env = run["env"]
+    if env.get("quick"):
+        out += ["**Quick run** (`--quick`): a subset of files, paths and workloads.", ""]
+    out += [
+        "Checkpoints: random weights at one tensor-parallel rank's shapes of the real models "
+        "(bench/engine/spec.py), a few layers each: figures are the slice's, not the whole "
+        "model's. Each workload: `vllm bench serve`, random dataset, greedy, EOS ignored, "
+        "after a warm-up invocation on other prompts that is not counted. CUDA graphs on, "
+        "vLLM's defaults otherwise. × upstream = this path's figure / FLASHMLA_SPARSE bf16's "
+        "on the same file and workload (throughput: higher is better; TTFT: lower).",
+        "",
+    ]
+    files = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "files"]
+    if files:
+        out += ["## Files", ""]
+        out += table(
+            ["checkpoint", "type", "GB", "parameters", "tensor types", "routing max/mean load",
+             "build s"],
+            "llrrlrr",
+            [[i["checkpoint"], i["type"], _gb(f.get("bytes")), fmt(f.get("parameters"), ",") ,
+              _types(f.get("types", {})), fmt(f.get("routing_max_over_mean"), ".2f"),
+              fmt(f.get("build_s"), ".0f")] for i, f in files],
+        )  # fmt: skip
+        out.append("")
+    servers = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "servers"]
+    if servers:
+        out += ["## Servers", ""]
+        out += table(
+            ["file", "path", "backend", "indexer", "weights GiB", "KV GiB", "KV tokens",
+             "KV B/token", "32k seqs", "GPU MiB", "start s"],
+            "llllrrrrrrr",
+            [[f"{i['checkpoint']} {i['type']}", i["path"], f.get("attention_backend", ""),
+              f.get("indexer", "") if i["path"] != "llama.cpp" else "",
+              fmt(f.get("weights_gib"), ".2f"), fmt(f.get("kv_cache_gib"), ".2f"),
+              fmt(f.get("kv_cache_tokens"), ","), fmt(f.get("kv_bytes_per_token"), ".0f"),
+              fmt(f.get("seqs_32k"), ".1f"), fmt(f.get("gpu_mib_ready"), ".0f"),
+              fmt(f.get("start_s"), ".0f")] for i, f in servers],
+        )  # fmt: skip
+        out.append("")
+    serve = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "serve"]
+    if serve:
+        peer = {(i["checkpoint"], i["type"], i["workload"]): f for i, f in serve
+                if i["path"] == PEER}
+
+        def ratio(i: dict, f: dict, key: str) -> str:
+            p = peer.get((i["checkpoint"], i["type"], i["workload"]))
+            if i["path"] == PEER or not p or not p.get(key) or f.get(key) is None:
+                return ""
+            return f"{f[key] / p[key]:.2f}"
+
+        out += ["## Workloads", ""]
+        out += table(
+            ["file", "workload", "path", "output tok/s", "total tok/s", "× upstream",
+             "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s per stream",
+             "prefill tok/s", "failed"],
+            "lllrrrrrrrrrr",
+            [[f"{i['checkpoint']} {i['type']}", i["workload"], i["path"],
+              fmt(f.get("output_tok_s"), ".1f"), fmt(f.get("total_tok_s"), ".1f"),
+              ratio(i, f, "prefill_tok_s" if i["kind"] == "prefill" else "output_tok_s"),
+              fmt(f.get("ttft_p50_ms"), ".1f"), fmt(f.get("ttft_p99_ms"), ".1f"),
+              fmt(f.get("itl_p50_ms"), ".2f"), fmt(f.get("itl_p99_ms"), ".2f"),
+              fmt(f.get("decode_tok_s_per_stream"), ".1f"), fmt(f.get("prefill_tok_s"), ".0f"),
+              str(f.get("failed", ""))] for i, f in serve],
+        )  # fmt: skip
+        out.append("")
+    lb = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "llama_bench"]
+    if lb:
+        out += ["## llama-bench (llama.cpp's own tool, same files)", ""]
+        out += table(
+            ["file", "test", "tok/s", "± stddev"],
+            "llrr",
+            [[f"{i['checkpoint']} {i['type']}", i["test"], fmt(f.get("tok_s"), ".1f"),
+              fmt(f.get("tok_s_stddev"), ".1f")] for i, f in lb],
+        )  # fmt: skip
+        out.append("")
+    cmds = [(r["inputs"], r["figures"]) for r in rows if r["table"] in ("servers", "serve")]
+    if cmds:
+        out += ["## Commands", "", "```"]
+        seen = set()
+        for i, f in cmds:
+            for key in ("env", "command"):
+                c = f.get(key)
+                if c and c not in seen:
+                    seen.add(c)
+                    out.append(c)
+        out += ["```", ""]
+    out += [f"Rendered by bench/engine/cli.py render from `engine.jsonl`; analysis: "
+            f"[docs/performance.md]({ENGINE_DOC})."]
+    return "\n".join(out) + "\n"
+
+
+# bench -> {file: renderer}, in bench/render.py's shape (for its RENDERERS)
+RENDERERS = {"engine": {"engine.md": engine_md}}
+
+
+def render(root: Path, check: bool = False) -> list[str]:
+    problems = []
+    for src in sorted(Path(root).glob("*/engine.jsonl")):
+        run, rows = read(src)
+        target = src.parent / "engine.md"
+        content = engine_md(run, rows).encode()
+        if check:
+            if not target.exists() or target.read_bytes() != content:
+                problems.append(f"{target}: differs from what {src.name} renders")
+        elif not target.exists() or target.read_bytes() != content:
+            target.write_bytes(content)
+            print(f"wrote {target}")
+    return problems

@@ -1,0 +1,303 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The engine benchmark on a GPU: for each file, each path's server in
+turn (never two at once), each workload against it (a warm-up invocation,
+then the measured one), the server's own figures from its log, GPU memory
+from nvidia-smi. The data file is rewritten after every server, so a run
+cut short (device time, --budget-s) keeps what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchdata import BenchData, environment, portable_path, results_dir
+
+from . import parse, record, workloads as wl
+from . import spec as specs
+
+REPO = Path(__file__).resolve().parents[2]
+REPORT_SM = REPO / "tests" / "e2e" / "report_sm"
+START_TIMEOUT = int(os.environ.get("BENCH_ENGINE_START_TIMEOUT", "900"))
+BENCH_TIMEOUT = int(os.environ.get("BENCH_ENGINE_BENCH_TIMEOUT", "900"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse.nvidia_smi_mib(out)
+
+
+class Peak(threading.Thread):
+    """GPU memory used, sampled every second; ``peak`` the largest."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak: float | None = None
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.wait(1.0):
+            m = gpu_mib()
+            if m is not None and (self.peak is None or m > self.peak):
+                self.peak = m
+
+
+def _shown(cmd: list[str], env_extra: dict | None = None) -> str:
+    pre = " ".join(f"{k}={v}" for k, v in sorted((env_extra or {}).items()) if k != "PYTHONPATH")
+    if env_extra and "PYTHONPATH" in env_extra:
+        pre = (pre + " PYTHONPATH=tests/e2e/report_sm").strip()
+    text = " ".join(shlex.quote(portable_path(c)) for c in cmd)
+    return f"{pre} {text}".strip()
+
+
+class Server:
+    """A server in its own process group, its log in a file."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path, health: str):
+        self.cmd, self.log_path, self.health = cmd, log, health
+        self.log = open(log, "w")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        deadline = self.t0 + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n"
+                                   f"{self.log_path.read_text()[-6000:]}")
+            try:
+                with urllib.request.urlopen(self.health, timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.t0
+            except OSError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{self.log_path.read_text()[-6000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        # the GPU's memory back before the next server starts
+        for _ in range(30):
+            m = gpu_mib()
+            if m is None or m < 2048:
+                break
+            time.sleep(1)
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Runner:
+    def __init__(self, args, plan: dict):
+        self.args, self.plan = args, plan
+        self.t_start = time.monotonic()
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        env = environment()
+        env["quick"] = bool(args.quick)
+        env["workloads"] = [w.name for w in plan["workloads"]]
+        self.data = BenchData("engine", env)
+        self.data.notes.append(
+            "Paths: " + "; ".join(f"`{p}`: {wl.PATHS[p].about}" if p in wl.PATHS else
+                                  f"`{p}`: llama-server (CUDA, built from the pinned source), "
+                                  "same client" for p in plan["paths"]))
+        self.folder = results_dir(env.get("card", "unknown-card"), args.results)
+        self.max_len = wl.max_model_len(plan["workloads"])
+
+    # -- bookkeeping --------------------------------------------------------
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t_start)
+
+    def save(self) -> None:
+        path = self.data.write(self.folder)
+        record.render(self.folder.parent)
+        print(f"[bench-engine] data: {path}", flush=True)
+
+    def skip(self, what: str) -> bool:
+        if self.left() > 0:
+            return False
+        note = f"Not run (--budget-s {self.args.budget_s} spent): {what}."
+        print(f"[bench-engine] {note}", flush=True)
+        self.data.notes.append(note)
+        return True
+
+    # -- one workload against a running server --------------------------------
+
+    def bench(self, w: wl.Workload, port: int, hf: Path, inputs: dict, tag: str) -> None:
+        rdir = self.work / "results"
+        rdir.mkdir(exist_ok=True)
+        py = sys.executable
+        for warm in (True, False):
+            fname = f"{tag}-{w.name}{'-warmup' if warm else ''}.json"
+            cmd = wl.bench_serve(w, port, hf, rdir, fname, warmup=warm, python=py)
+            print(f"[bench-engine] {tag} {w.name}{' (warm-up)' if warm else ''}", flush=True)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT)
+            (rdir / (fname + ".log")).write_text(r.stdout + r.stderr)
+            if r.returncode:
+                raise RuntimeError(f"vllm bench serve failed ({w.name}):\n{(r.stdout + r.stderr)[-4000:]}")
+        result = json.loads((rdir / fname).read_text())
+        figures = parse.bench_serve(result, w)
+        figures["command"] = _shown(cmd)
+        self.data.row("serve", {**inputs, "workload": w.name, "kind": w.kind,
+                                "input_len": w.input_len, "output_len": w.output_len,
+                                "concurrency": w.concurrency, "num_prompts": w.num_prompts},
+                      **figures)
+
+    # -- paths ----------------------------------------------------------------
+
+    def vllm(self, path: str, name: str, gtype: str, gguf: Path, hf: Path) -> None:
+        p = wl.PATHS[path]
+        port = free_port()
+        cmd = wl.vllm_serve(p, gguf, hf, port, self.max_len, python=sys.executable)
+        env = wl.vllm_env(p, dict(os.environ), REPORT_SM)
+        log = self.work / f"{name}-{gtype}-{path}.log"
+        inputs = {"checkpoint": name, "type": gtype, "path": path}
+        print(f"[bench-engine] start {path} on {gguf.name}", flush=True)
+        server = Server(cmd, env, log, f"http://127.0.0.1:{port}/health")
+        peak = Peak()
+        try:
+            start_s = server.wait_ready(min(START_TIMEOUT, max(60.0, self.left())))
+            ready = gpu_mib()
+            peak.start()
+            figures = parse.vllm_log(server.text())
+            shown_env = {k: v for k, v in p.env.items()}
+            if p.report_sm:
+                shown_env["PYTHONPATH"] = "tests/e2e/report_sm"
+            srow = dict(figures, start_s=round(start_s, 1), gpu_mib_ready=ready,
+                        command=_shown(cmd, shown_env))
+            self.data.row("servers", inputs, **srow)
+            row = self.data.rows[-1]["figures"]
+            for w in self.plan["workloads"]:
+                if self.skip(f"{name} {gtype} {path} {w.name}"):
+                    break
+                self.bench(w, port, hf, inputs, f"{name}-{gtype}-{path}")
+            row["gpu_mib_peak"] = peak.peak
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            self.data.notes.append(f"{name} {gtype} {path}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''} (log: {log.name})")
+            print(f"[bench-engine] FAILED {path}: {e}", flush=True)
+        finally:
+            peak.stop.set()
+            server.stop()
+            self.save()
+
+    def llama(self, name: str, gtype: str, gguf: Path, hf: Path) -> None:
+        bins = Path(self.args.llama_cpp)
+        inputs = {"checkpoint": name, "type": gtype, "path": wl.LLAMA_CPP}
+        for group in wl.llama_server_groups(self.plan["workloads"]):
+            if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}"):
+                return
+            slots, ctx = wl.llama_server_slots(group)
+            port = free_port()
+            cmd = wl.llama_server(bins / "llama-server", gguf, port, slots, ctx)
+            log = self.work / f"{name}-{gtype}-llama-server-np{slots}.log"
+            print(f"[bench-engine] start llama-server -np {slots} -c {ctx}", flush=True)
+            server = Server(cmd, dict(os.environ), log, f"http://127.0.0.1:{port}/health")
+            try:
+                start_s = server.wait_ready(min(START_TIMEOUT, max(60.0, self.left())))
+                figures = dict(parse.llama_server_log(server.text()), start_s=round(start_s, 1),
+                               gpu_mib_ready=gpu_mib(), slots=slots, command=_shown(cmd))
+                self.data.row("servers", dict(inputs, slots=slots), **figures)
+                for w in group:
+                    if self.skip(f"{name} {gtype} llama.cpp {w.name}"):
+                        break
+                    self.bench(w, port, hf, inputs, f"{name}-{gtype}-llama.cpp")
+            except Exception as e:  # noqa: BLE001
+                self.data.notes.append(f"{name} {gtype} llama-server: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''} (log: {log.name})")
+                print(f"[bench-engine] FAILED llama-server: {e}", flush=True)
+            finally:
+                server.stop()
+                self.save()
+        for cmd in wl.llama_bench(bins / "llama-bench", gguf, self.plan["workloads"]):
+            if self.skip(f"{name} {gtype} llama-bench"):
+                return
+            print(f"[bench-engine] {_shown(cmd)}", flush=True)
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True,
+                                   timeout=max(60, min(BENCH_TIMEOUT, self.left())))
+                (self.work / f"{name}-{gtype}-llama-bench.log").write_text(r.stdout + r.stderr)
+                for row in parse.llama_bench(r.stdout):
+                    test = (f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}") + (
+                        f" @ d{row['n_depth']}" if row["n_depth"] else "")
+                    self.data.row("llama_bench", dict(inputs, test=test),
+                                  tok_s=row["tok_s"], tok_s_stddev=row["tok_s_stddev"],
+                                  command=_shown(cmd))
+            except Exception as e:  # noqa: BLE001
+                self.data.notes.append(f"{name} {gtype} llama-bench: {type(e).__name__}: {e}")
+        self.save()
+
+    # -- the run --------------------------------------------------------------
+
+    def run(self) -> int:
+        models = Path(self.args.models)
+        for name, gtype in self.plan["files"]:
+            info_path = models / name / "build.json"
+            if not info_path.is_file():
+                raise SystemExit(f"{info_path}: missing; build the files first "
+                                 f"(cli.py build-models)")
+            info = json.loads(info_path.read_text())
+            if gtype not in info["files"]:
+                raise SystemExit(f"{name}: no {gtype} file in {info_path}; build it first")
+            f = info["files"][gtype]
+            gguf, hf = models / name / f["file"], models / name / "hf"
+            routing = [v["max_over_mean"] for v in info.get("routing", {}).values()]
+            self.data.row("files", {"checkpoint": name, "type": gtype}, bytes=f["bytes"],
+                          types=f["types"], parameters=info.get("parameters"),
+                          routing_max_over_mean=max(routing) if routing else None,
+                          build_s=sum(v for k, v in info["seconds"].items()
+                                      if k != "total_last_build"),
+                          spec=info["spec"])
+            for path in self.plan["paths"]:
+                if self.skip(f"{name} {gtype} {path}"):
+                    continue
+                if path == wl.LLAMA_CPP:
+                    self.llama(name, gtype, gguf, hf)
+                else:
+                    self.vllm(path, name, gtype, gguf, hf)
+        self.save()
+        failed = [n for n in self.data.notes if "Error" in n or "FAILED" in n]
+        return 1 if failed else 0
+
+
+def known_files(arg: str | None) -> list[tuple[str, str]] | None:
+    if not arg:
+        return None
+    out = []
+    for item in arg.split(","):
+        name, _, gtype = item.partition(":")
+        if name not in specs.SPECS or gtype not in specs.TYPES:
+            raise SystemExit(f"--files {item}: expected <checkpoint>:<type> with checkpoint in "
+                             f"{', '.join(specs.SPECS)} and type in {', '.join(specs.TYPES)}")
+        out.append((name, gtype))
+    return out

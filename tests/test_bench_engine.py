@@ -1,0 +1,583 @@
+"""The engine benchmark (bench/engine/, `make bench-engine`) on CPU: what
+can be checked without a GPU.
+
+- The vocabulary: HF tokenizers and the GGUF carry the same tokens; word
+  tokens decode and encode back exactly (the same prompt is the same token
+  count on vLLM and llama-server).
+- The checkpoints' geometry is the real models' (per TP rank), GLM-5.2's
+  IndexShare schedule is the published one.
+- The random router, balanced by its correction bias, spreads held-out
+  tokens over all experts (grouped top-k too); a collapsed one is caught.
+- The checkpoint's tensor names and shapes are what transformers loads.
+- llama.cpp's converter and quantizer accept a tiny checkpoint: metadata,
+  tensor shapes and the mixture's per-tensor types as specified (needs the
+  llama_cpp package; skipped without it).
+- The workload matrix, the --quick subset, every command line (exact
+  arguments; `vllm bench serve`'s parsed by vLLM's own parser).
+- Parsing: `vllm bench serve` results, vLLM's KV-cache log lines,
+  llama-server's and llama-bench's output (captured samples).
+- The JSONL record and engine.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+from benchdata import BenchData, read  # noqa: E402
+from engine import parse, record, vocab  # noqa: E402
+from engine import spec as specs  # noqa: E402
+from engine import workloads as wl  # noqa: E402
+
+FAKE_ENV = {
+    "date_utc": "2026-12-02 10:00", "card": "NVIDIA H200", "sms": 132, "capability": "9.0",
+    "driver": "580.1", "torch": "2.11.0", "triton": "3.6.0",
+    "series": "0.23.0+dsa.sm120.abcdef12", "commit": "0123456789ab",
+    "command": "bench/engine/cli.py run --quick", "quick": True,
+}
+
+
+# ---------------------------------------------------------------------------
+# Vocabulary
+# ---------------------------------------------------------------------------
+
+
+def test_vocabulary_has_the_real_size_and_eos_last():
+    tokens, merges = vocab.build(154880)
+    assert len(tokens) == 154880 and len(set(tokens)) == 154880
+    assert tokens[-1] == vocab.EOS
+    assert tokens[:256] == tuple(vocab.byte_alphabet())
+    # every word token is made by exactly one merge from its prefix
+    assert len(merges) == 154880 - 256 - 1
+    assert tokens[256] == "Ġa" and merges[0] == "Ġ a"
+
+
+def test_hf_tokenizer_round_trips_word_tokens():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(json.dumps(vocab.tokenizer_json(2048)))
+    assert tok.get_vocab_size() == 2048
+    ids = list(range(300, 2047, 7))
+    text = tok.decode(ids)
+    assert tok.encode(text).ids == ids
+    assert tok.token_to_id(vocab.EOS) == 2047
+
+
+def test_gguf_vocabulary_is_the_tokenizers():
+    g = vocab.gguf_vocab(2048)
+    tj = vocab.tokenizer_json(2048)
+    assert g["tokens"] == sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
+    assert g["merges"] == tj["model"]["merges"]
+    assert g["types"][-1] == 3 and set(g["types"][:-1]) == {1} and g["eos"] == 2047
+
+
+# ---------------------------------------------------------------------------
+# Geometry
+# ---------------------------------------------------------------------------
+
+
+def test_glm5_tp8_is_one_rank_of_the_real_model():
+    s = specs.SPECS["glm5-tp8"]
+    assert (s.hidden, s.heads, s.q_lora, s.kv_lora) == (6144, 8, 2048, 512)
+    assert (s.qk_nope, s.qk_rope, s.v_head) == (192, 64, 256)
+    assert (s.experts, s.experts_used, s.shared_experts) == (256, 8, 1)
+    assert (s.moe_intermediate, s.intermediate) == (2048 // 8, 12288 // 8)
+    assert (s.index_heads, s.index_dim, s.index_topk, s.vocab) == (32, 128, 2048, 154880)
+    assert (s.dense_layers, s.moe_layers) == (3, 3)
+    cfg = specs.hf_config(s)
+    assert cfg["scoring_func"] == "sigmoid" and cfg["indexer_rope_interleave"] is True
+    assert cfg["topk_method"] == "noaux_tc" and cfg["first_k_dense_replace"] == 3
+    tp4 = specs.SPECS["glm5-tp4"]
+    assert (tp4.heads, tp4.moe_intermediate) == (16, 512)
+    full = specs.SPECS["glm5-full"]
+    assert (full.heads, full.moe_intermediate, full.intermediate) == (64, 2048, 12288)
+    d = specs.SPECS["dsv32-tp8"]
+    assert (d.hidden, d.heads, d.qk_nope, d.v_head, d.index_heads) == (7168, 16, 128, 128, 64)
+    assert (d.q_lora, d.n_group, d.topk_group, d.vocab) == (1536, 8, 4, 129280)
+
+
+def test_glm52_schedule_is_the_published_one():
+    s = specs.SPECS["glm52-tp8"]
+    full78 = s.with_(moe_layers=75).indexer_types()
+    assert len(full78) == 78 and full78.count("full") == 21
+    assert [i for i, t in enumerate(full78) if t == "full"][:5] == [0, 1, 2, 6, 10]
+    assert s.indexer_types() == ["full", "full", "full", "shared", "shared", "shared"]
+    names = {t.name for t in specs.hf_tensors(s)}
+    assert "model.layers.2.self_attn.indexer.wk.weight" in names
+    assert "model.layers.3.self_attn.indexer.wk.weight" not in names
+    assert "blk.3.indexer.attn_k.weight" not in specs.gguf_shapes(s)
+
+
+def test_parameter_counts():
+    # glm5-tp8: 3 MoE layers of 256 experts x 3 x 6144 x 256, plus the two
+    # vocabulary tables (2 x 154,880 x 6144), plus attention and dense MLPs
+    n = specs.parameter_count(specs.SPECS["glm5-tp8"])
+    experts = 3 * 256 * 3 * 6144 * 256
+    tables = 2 * 154880 * 6144
+    assert experts + tables < n < experts + tables + 0.5e9
+
+
+# ---------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["glm5-tp8", "dsv32-tp8"])
+def test_random_router_spreads_tokens_over_all_experts(name):
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from engine import weights
+
+    s = specs.tiny(specs.SPECS[name])
+    stats = weights.routing_check(s, tokens=4096)
+    assert set(stats) == {str(i) for i in range(s.dense_layers, s.layers)}
+    for layer, st in stats.items():
+        assert st["problems"] == [], (layer, st)
+        assert st["experts_used"] == 256 and st["max_over_mean"] < 1.6
+
+
+def test_a_collapsed_router_is_caught():
+    torch = pytest.importorskip("torch")
+    from engine import weights
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4096, 64, generator=g)
+    w = torch.randn(256, 64, generator=g) / 8
+    bias = torch.zeros(256)
+    bias[:16] = 1.0  # 16 experts win every token
+    stats = weights.load_stats(weights.route(hidden, w, bias, 8), 256)
+    problems = weights.balanced(stats)
+    assert any("never chosen" in p for p in problems) and stats["max_over_mean"] > 10
+    # the same router without that bias passes
+    ok = weights.load_stats(weights.route(hidden, w, torch.zeros(256), 8), 256)
+    assert ok["experts_used"] == 256
+
+
+def test_grouped_routing_keeps_to_the_best_groups():
+    torch = pytest.importorskip("torch")
+    from engine import weights
+
+    hidden = torch.zeros(1, 4)
+    w = torch.zeros(16, 4)
+    bias = torch.arange(16.0) / 100  # group 3 (experts 12-15) best, then group 2
+    ids = weights.route(hidden, w, bias, top_k=4, n_group=4, topk_group=2)
+    assert set(ids[0].tolist()) == {15, 14, 13, 12}
+    ids = weights.route(hidden, w, -bias, top_k=6, n_group=4, topk_group=2)
+    assert set(ids[0].tolist()) <= set(range(8))
+
+
+def test_tensors_regenerate_by_rows():
+    torch = pytest.importorskip("torch")
+    from engine import weights
+
+    s = specs.tiny(specs.SPECS["glm5-tp8"])
+    emb = next(t for t in specs.hf_tensors(s) if t.name == "model.embed_tokens.weight")
+    whole = weights.make(s, emb, torch.float32)
+    assert whole.shape == (s.vocab, s.hidden)
+    assert torch.equal(weights.make(s, emb, torch.float32, slice(5000, 5003)), whole[5000:5003])
+    assert 0.9 < whole.std().item() < 1.1
+
+
+# ---------------------------------------------------------------------------
+# The checkpoint as transformers and llama.cpp read it
+# ---------------------------------------------------------------------------
+
+
+def micro(name: str) -> specs.Spec:
+    """Smaller than tiny (16 experts): a file the converter writes in seconds."""
+    return specs.tiny(specs.SPECS[name], experts=16, experts_used=4, vocab=2048,
+                      n_group=min(specs.SPECS[name].n_group, 4),
+                      topk_group=min(specs.SPECS[name].topk_group, 2))
+
+
+@pytest.mark.parametrize("name", ["glm5-tp8", "glm52-tp8", "dsv32-tp8"])
+def test_transformers_loads_the_checkpoint_exactly(tmp_path, name):
+    """Our tensor list is the original checkpoint format: transformers
+    builds the model from config.json and finds every tensor, no more."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from engine import build, weights
+
+    s = micro(name)
+    build.write_hf(s, tmp_path)
+    save_file({t.name: weights.make(s, t) for t in specs.hf_tensors(s)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    out = model(torch.arange(8, 40)[None]).logits
+    assert torch.isfinite(out).all()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token_id == s.vocab - 1 and tok.num_special_tokens_to_add() == 0
+    ids = list(range(400, 460))
+    assert tok(tok.decode(ids), add_special_tokens=False).input_ids == ids
+
+
+def _llama_cpp_or_skip():
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError) as e:
+        pytest.skip(f"llama_cpp (llama-cpp-python, tests/requirements-gpu.txt) not importable: {e}")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """micro GLM-5 TP-8: F16 (converter), Q4_K_M and the IQ2_XXS mixture
+    (quantizer)."""
+    _llama_cpp_or_skip()
+    from engine import build
+
+    out = tmp_path_factory.mktemp("models")
+    s = micro("glm5-tp8")
+    info = build.build(s, ["f16", "q4_k_m", "mix-iq2_xxs"], out, nthread=2, routing_tokens=1024)
+    return s, out, info
+
+
+def test_converter_writes_the_specified_file(built):
+    from gguf import GGUFReader
+
+    s, out, info = built
+    path = out / s.name / info["files"]["f16"]["file"]
+    r = GGUFReader(path)
+    md = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.tok")
+          and k not in ("tokenizer.ggml.merges",)}
+    for key, value in specs.gguf_metadata(s).items():
+        assert md.get(key) == value, (key, md.get(key), value)
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    assert shapes == specs.gguf_shapes(s)
+    assert {t.tensor_type.name for t in r.tensors} == {"F16", "F32"}
+    toks = r.fields["tokenizer.ggml.tokens"]
+    assert len(toks.data) == s.vocab
+
+
+def test_quantizer_applies_the_mixture(built):
+    s, out, info = built
+    q4 = info["files"]["q4_k_m"]
+    assert "Q4_K" in q4["types"] and q4["bytes"] < info["files"]["f16"]["bytes"] / 2
+    mix = info["files"]["mix-iq2_xxs"]
+    gtype = specs.TYPES["mix-iq2_xxs"]
+    checked = 0
+    for name, t in mix["tensors"].items():
+        want = specs.expected_type(gtype, name)
+        if want and len(t["shape"]) >= 2 and "gate_inp" not in name:
+            assert t["type"] == want, (name, t["type"], want)
+            checked += 1
+    assert checked >= 6
+    assert mix["tensors"]["blk.1.ffn_gate_exps.weight"]["type"] == "IQ2_XXS"
+    assert mix["tensors"]["blk.1.ffn_down_shexp.weight"]["type"] == "Q6_K"
+    assert mix["tensors"]["blk.0.attn_q_a.weight"]["type"] == "Q8_0"
+    # the builder keeps what it built, the F16 input since f16 was asked for
+    assert (out / s.name / "hf" / "config.json").is_file()
+    assert not info["routing"]["1"]["problems"]
+
+
+def test_iq_types_need_the_importance_matrix(built, tmp_path):
+    from engine import build
+
+    s, out, info = built
+    src = out / s.name / info["files"]["f16"]["file"]
+    gtype = specs.TYPES["mix-iq2_xxs"]
+    entries = dict(build.imatrix_entries(src, gtype))
+    assert entries["blk.1.ffn_gate_exps.weight"] == s.hidden * s.experts
+    assert entries["blk.1.ffn_down_exps.weight"] == s.moe_intermediate * s.experts
+    assert not any("shexp" in n or "attn" in n for n in entries)
+
+
+# ---------------------------------------------------------------------------
+# Workloads and command lines
+# ---------------------------------------------------------------------------
+
+
+def test_workload_matrix():
+    w = wl.WORKLOADS
+    assert [w[n].input_len for n in ("single-4k", "single-32k", "single-128k")] == [4096, 32768, 131072]
+    assert all(w[n].concurrency == 1 for n in ("single-4k", "prefill-64k"))
+    for n, c in (("concurrent-8", 8), ("concurrent-32", 32), ("concurrent-64", 64)):
+        assert (w[n].input_len, w[n].output_len, w[n].concurrency) == (2048, 512, c)
+    assert [w[n].input_len for n in ("prefill-4k", "prefill-16k", "prefill-64k")] == [4096, 16384, 65536]
+    assert all(w[n].output_len == 1 for n in ("prefill-4k", "prefill-16k", "prefill-64k"))
+    full = wl.plan(False)
+    assert full["paths"] == ["triton-fp16", "auto-sm120", "flashmla-bf16", "llama.cpp"]
+    assert wl.max_model_len(full["workloads"]) == 132096
+
+
+def test_quick_plan_is_the_subset():
+    q = wl.plan(True)
+    assert q["files"] == [("glm5-tp8", "q4_k_m")]
+    assert q["paths"] == ["triton-fp16", "flashmla-bf16", "llama.cpp"]
+    assert [w.name for w in q["workloads"]] == ["single-4k", "concurrent-32", "prefill-16k"]
+    assert wl.max_model_len(q["workloads"]) == 17408
+    with pytest.raises(ValueError, match="unknown path"):
+        wl.plan(True, paths=["sglang"])
+
+
+GG, HF = Path("/m/glm5-tp8-q4_k_m.gguf"), Path("/m/hf")
+
+
+def test_vllm_command_lines():
+    common_tail = ["--max-model-len", "17408", "--host", "127.0.0.1", "--port", "8123",
+                   "--seed", "0"]
+    head = ["py", "-m", "vllm.entrypoints.cli.main", "serve", str(GG), "--hf-config-path",
+            str(HF), "--tokenizer", str(HF), "--served-model-name", "bench"]
+    ours = wl.PATHS["triton-fp16"]
+    assert wl.vllm_serve(ours, GG, HF, 8123, 17408, "py") == [
+        *head, "--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16", *common_tail]
+    assert ours.env == {"VLLM_DSA_INDEXER_TRITON": "1"}
+    up = wl.PATHS["flashmla-bf16"]
+    assert wl.vllm_serve(up, GG, HF, 8123, 17408, "py") == [
+        *head, "--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16", *common_tail]
+    assert up.env == {}
+    auto = wl.PATHS["auto-sm120"]
+    assert wl.vllm_serve(auto, GG, HF, 8123, 17408, "py") == [*head, "--dtype", "float16",
+                                                             *common_tail]
+    env = wl.vllm_env(auto, {"PYTHONPATH": "x"}, Path("/r/tests/e2e/report_sm"))
+    assert env == {"PYTHONPATH": "/r/tests/e2e/report_sm:x", "E2E_REPORT_SM": "12.0",
+                   "VLLM_USE_FLASHINFER_MOE_FP16": "0"}
+    assert (REPO / "tests" / "e2e" / "report_sm" / "sitecustomize.py").is_file()
+
+
+def test_bench_serve_command_line():
+    w = wl.WORKLOADS["concurrent-32"]
+    cmd = wl.bench_serve(w, 8123, HF, Path("/res"), "x.json", python="py")
+    assert cmd == [
+        "py", "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+        "--base-url", "http://127.0.0.1:8123", "--endpoint", "/v1/completions",
+        "--model", "bench", "--tokenizer", "/m/hf", "--dataset-name", "random",
+        "--random-input-len", "2048", "--random-output-len", "512", "--random-range-ratio", "0",
+        "--num-prompts", "64", "--max-concurrency", "32", "--request-rate", "inf",
+        "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99", "--seed", "0", "--num-warmups", "0",
+        "--disable-tqdm", "--save-result", "--result-dir", "/res", "--result-filename", "x.json"]
+    warm = wl.bench_serve(w, 8123, HF, Path("/res"), "w.json", warmup=True, python="py")
+    assert warm[warm.index("--seed") + 1] == "1000"  # other prompts: no prefix-cache hit
+    assert warm[warm.index("--num-prompts") + 1] == "32"
+    assert warm[warm.index("--random-output-len") + 1] == "16"
+
+
+def test_bench_serve_arguments_parse_with_vllms_parser():
+    pytest.importorskip("vllm")
+    import argparse
+
+    from vllm.benchmarks.serve import add_cli_args
+
+    ap = argparse.ArgumentParser()
+    add_cli_args(ap)
+    for w in wl.WORKLOADS.values():
+        args = ap.parse_args(wl.bench_serve(w, 8123, HF, Path("/res"), "x.json")[5:])
+        assert args.dataset_name == "random" and args.random_input_len == w.input_len
+        assert args.max_concurrency == w.concurrency and args.temperature == 0.0
+        assert args.metric_percentiles == "50,90,99" and args.ignore_eos
+
+
+def test_llama_cpp_command_lines():
+    q = wl.plan(True)["workloads"]
+    groups = wl.llama_server_groups(q)
+    assert [[w.name for w in g] for g in groups] == [["single-4k", "prefill-16k"], ["concurrent-32"]]
+    assert wl.llama_server_slots(groups[0]) == (1, 16640)
+    assert wl.llama_server_slots(groups[1]) == (32, 32 * 2560)
+    assert wl.llama_server(Path("/b/llama-server"), GG, 8123, 32, 81920) == [
+        "/b/llama-server", "-m", str(GG), "--alias", "bench", "--host", "127.0.0.1",
+        "--port", "8123", "-ngl", "999", "-fa", "on", "-c", "81920", "-np", "32", "--seed", "0"]
+    assert wl.llama_bench(Path("/b/llama-bench"), GG, q) == [
+        ["/b/llama-bench", "-m", str(GG), "-ngl", "999", "-fa", "1", "-o", "json",
+         "-p", "16384", "-n", "0", "-r", "2"],
+        ["/b/llama-bench", "-m", str(GG), "-ngl", "999", "-fa", "1", "-o", "json",
+         "-p", "0", "-n", "128", "-d", "4096", "-r", "2"]]
+
+
+def test_llama_cpp_build_command():
+    from engine import llamacpp
+
+    args = llamacpp.configure_args(Path("/s"), Path("/b"), "/cuda/bin/nvcc", "Ninja")
+    assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=native" in args
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in args  # nothing downloaded at build time
+    assert args[-2:] == ["-G", "Ninja"]
+    assert llamacpp._keep("ggml/src/ggml-cuda/mmq.cu") and llamacpp._keep("tools/server/server.cpp")
+    assert not llamacpp._keep("models/ggml-vocab-llama-bpe.gguf") and not llamacpp._keep("docs/x.md")
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------
+
+BENCH_RESULT = {
+    "date": "20261202-100000", "backend": "openai", "model_id": "bench", "num_prompts": 64,
+    "duration": 20.5, "completed": 64, "failed": 0, "total_input_tokens": 131072,
+    "total_output_tokens": 32768, "request_throughput": 3.12, "output_throughput": 1598.4,
+    "total_token_throughput": 7992.2, "max_output_tokens_per_s": 1800.0,
+    "mean_ttft_ms": 310.0, "median_ttft_ms": 290.0, "std_ttft_ms": 40.0,
+    "p50_ttft_ms": 290.0, "p90_ttft_ms": 380.0, "p99_ttft_ms": 420.5,
+    "mean_tpot_ms": 19.5, "median_tpot_ms": 19.2, "p50_tpot_ms": 19.2, "p90_tpot_ms": 20.1,
+    "p99_tpot_ms": 21.0, "mean_itl_ms": 19.4, "median_itl_ms": 18.9, "p50_itl_ms": 18.9,
+    "p90_itl_ms": 22.0, "p99_itl_ms": 35.25, "mean_e2el_ms": 10100.0, "p50_e2el_ms": 10050.0,
+    "p90_e2el_ms": 10300.0, "p99_e2el_ms": 10500.0,
+}
+
+
+def test_parse_bench_serve_result():
+    f = parse.bench_serve(BENCH_RESULT, wl.WORKLOADS["concurrent-32"])
+    assert f["output_tok_s"] == 1598.4 and f["total_tok_s"] == 7992.2
+    assert (f["ttft_p50_ms"], f["ttft_p99_ms"]) == (290.0, 420.5)
+    assert (f["itl_p50_ms"], f["itl_p99_ms"]) == (18.9, 35.25)
+    assert f["mean_input_tokens"] == 2048 and f["mean_output_tokens"] == 512
+    assert f["decode_tok_s_per_stream"] == pytest.approx(1000 / 19.2)
+    assert "prefill_tok_s" not in f
+    p = parse.bench_serve(dict(BENCH_RESULT, total_input_tokens=3 * 16384, completed=3,
+                               total_output_tokens=3, p50_ttft_ms=2000.0),
+                          wl.WORKLOADS["prefill-16k"])
+    assert p["prefill_tok_s"] == pytest.approx(8192.0)
+
+
+VLLM_LOG = """\
+INFO 12-02 10:00:01 [api_server.py:1000] vLLM API server version 0.23.0+dsa.sm120.abcdef12
+(EngineCore_DP0 pid=4242) INFO 12-02 10:00:20 [cuda.py:320] Using AttentionBackendEnum.TRITON_MLA_SPARSE backend.
+(EngineCore_DP0 pid=4242) INFO 12-02 10:00:21 [sparse_attn_indexer.py:88] DSA indexer: Triton kernels (fp16)
+(EngineCore_DP0 pid=4242) INFO 12-02 10:00:45 [gpu_model_runner.py:5188] Model loading took 3.52 GiB memory and 21.304512 seconds
+(EngineCore_DP0 pid=4242) INFO 12-02 10:01:10 [gpu_worker.py:481] Available KV cache memory: 118.75 GiB
+(EngineCore_DP0 pid=4242) INFO 12-02 10:01:10 [kv_cache_utils.py:1744] GPU KV cache size: 16,550,912 tokens
+(EngineCore_DP0 pid=4242) INFO 12-02 10:01:10 [kv_cache_utils.py:1746] Maximum concurrency for 17,408 tokens per request: 950.76x
+(EngineCore_DP0 pid=4242) INFO 12-02 10:01:40 [gpu_model_runner.py:6586] Graph capturing finished in 18 secs, took 0.45 GiB
+(EngineCore_DP0 pid=4242) INFO 12-02 10:01:41 [core.py:314] init engine (profile, create kv cache, warmup model) took 55.21 s
+"""
+
+
+def test_parse_vllm_startup_log():
+    f = parse.vllm_log(VLLM_LOG)
+    assert f["kv_cache_tokens"] == 16550912 and f["kv_cache_gib"] == 118.75
+    assert (f["max_model_len"], f["max_concurrency"]) == (17408, 950.76)
+    assert f["kv_bytes_per_token"] == pytest.approx(118.75 * 2**30 / 16550912, abs=0.1)
+    assert f["seqs_32k"] == pytest.approx(16550912 / 32768, abs=0.01)
+    assert (f["weights_gib"], f["load_s"]) == (3.52, 21.304512)
+    assert (f["graph_capture_s"], f["graph_gib"], f["init_s"]) == (18.0, 0.45, 55.21)
+    assert f["attention_backend"] == "TRITON_MLA_SPARSE" and f["indexer"] == "triton"
+    up = parse.vllm_log(VLLM_LOG.replace("TRITON_MLA_SPARSE", "FLASHMLA_SPARSE")
+                        .replace("DSA indexer: Triton kernels (fp16)", ""))
+    assert up["attention_backend"] == "FLASHMLA_SPARSE" and up["indexer"] == "deepgemm"
+    assert parse.vllm_log("nothing") == {"indexer": "deepgemm"}
+
+
+LLAMA_SERVER_LOG = """\
+llama_kv_cache:      CUDA0 KV buffer size =   864.00 MiB
+llama_kv_cache: size =  864.00 MiB ( 16640 cells,   6 layers,  1/1 seqs), K (f16):  864.00 MiB, V (f16):    0.00 MiB
+llama_kv_cache_dsa:      CUDA0 KV buffer size =    99.00 MiB
+llama_kv_cache_dsa: size =   99.00 MiB ( 16640 cells,   6 layers,  1/1 seqs), K (f16):   99.00 MiB, V (f16):    0.00 MiB
+"""
+
+
+def test_parse_llama_server_and_bench():
+    f = parse.llama_server_log(LLAMA_SERVER_LOG)
+    assert f["kv_cache_tokens"] == 16640 and f["kv_cache_gib"] == pytest.approx(963 / 1024, abs=1e-3)
+    assert f["kv_bytes_per_token"] == pytest.approx(963 * 2**20 / 16640, abs=0.1)
+    out = ('main: some log line\n[\n  {"build_commit": "0c1e570", "model_type": "glm-dsa ?B Q4_K - Medium",'
+           ' "n_gpu_layers": 999, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ns": 1,'
+           ' "stddev_ns": 1, "avg_ts": 5123.4, "stddev_ts": 12.5},\n  {"n_prompt": 0, "n_gen": 128,'
+           ' "n_depth": 4096, "avg_ts": 88.1, "stddev_ts": 0.4}\n]\n')
+    rows = parse.llama_bench(out)
+    assert rows[0]["tok_s"] == 5123.4 and rows[0]["n_prompt"] == 16384
+    assert (rows[1]["n_gen"], rows[1]["n_depth"], rows[1]["tok_s"]) == (128, 4096, 88.1)
+    assert parse.nvidia_smi_mib("12345\n") == 12345.0
+
+
+# ---------------------------------------------------------------------------
+# Record and document
+# ---------------------------------------------------------------------------
+
+
+def fake_engine(folder: Path) -> Path:
+    data = BenchData("engine", FAKE_ENV)
+    data.notes.append("Paths: `triton-fp16`: the series")
+    inp = {"checkpoint": "glm5-tp8", "type": "q4_k_m"}
+    data.row("files", inp, bytes=3_600_000_000, types={"Q4_K": 30, "F32": 40, "Q6_K": 5},
+             parameters=5_900_000_000, routing_max_over_mean=1.31, build_s=140.0)
+    for path, backend, tput in (("triton-fp16", "TRITON_MLA_SPARSE", 2000.0),
+                                ("flashmla-bf16", "FLASHMLA_SPARSE", 1600.0),
+                                ("llama.cpp", None, 800.0)):
+        srv = {"kv_cache_tokens": 16550912, "kv_cache_gib": 118.75, "kv_bytes_per_token": 7704.0,
+               "seqs_32k": 505.09, "gpu_mib_ready": 130000.0, "start_s": 95.0,
+               "command": f"vllm serve ... {path}"}
+        if backend:
+            srv.update(attention_backend=backend, weights_gib=3.52,
+                       indexer="triton" if path == "triton-fp16" else "deepgemm")
+        data.row("servers", dict(inp, path=path), **srv)
+        w = wl.WORKLOADS["concurrent-32"]
+        data.row("serve", dict(inp, path=path, workload=w.name, kind=w.kind, input_len=2048,
+                               output_len=512, concurrency=32, num_prompts=64),
+                 **dict(parse.bench_serve(dict(BENCH_RESULT, output_throughput=tput), w),
+                        command=f"vllm bench serve ... {path}"))
+    data.row("llama_bench", dict(inp, path="llama.cpp", test="pp16384"), tok_s=5123.4,
+             tok_s_stddev=12.5, command="llama-bench ...")
+    return data.write(folder / "nvidia-h200")
+
+
+def test_record_reads_back_and_renders(tmp_path):
+    path = fake_engine(tmp_path)
+    run, rows = read(path)
+    assert run["bench"] == "engine" and run["env"]["series"] == FAKE_ENV["series"]
+    assert {r["table"] for r in rows} == {"files", "servers", "serve", "llama_bench"}
+    assert record.render(tmp_path) == []
+    md = (path.parent / "engine.md").read_text()
+    assert "Series 0.23.0+dsa.sm120.abcdef12, repo commit 0123456789ab." in md
+    assert "Command: `bench/engine/cli.py run --quick`." in md and "**Quick run**" in md
+    assert "| glm5-tp8 | q4_k_m | 3.60 | 5,900,000,000 | F32 40, Q4_K 30, Q6_K 5 | 1.31 | 140 |" in md
+    assert ("| glm5-tp8 q4_k_m | triton-fp16 | TRITON_MLA_SPARSE | triton | 3.52 | 118.75 | "
+            "16,550,912 | 7704 | 505.1 | 130000 | 95 |") in md
+    assert ("| glm5-tp8 q4_k_m | concurrent-32 | triton-fp16 | 2000.0 | 7992.2 | 1.25 | 290.0 | "
+            "420.5 | 18.90 | 35.25 | 52.1 |  | 0 |") in md
+    assert "| glm5-tp8 q4_k_m | concurrent-32 | flashmla-bf16 | 1600.0 | 7992.2 |  |" in md
+    assert "| glm5-tp8 q4_k_m | concurrent-32 | llama.cpp | 800.0 | 7992.2 | 0.50 |" in md
+    assert "| glm5-tp8 q4_k_m | pp16384 | 5123.4 | 12.5 |" in md
+    assert "vllm bench serve ... triton-fp16" in md
+    # deterministic: the check passes, a changed figure is caught
+    assert record.render(tmp_path, check=True) == []
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[-2])
+    row["figures"]["output_tok_s"] = 1.0
+    lines[-2] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    assert record.render(tmp_path, check=True)
+
+
+def test_render_machinery_shape():
+    """engine.md plugs into bench/render.py's RENDERERS as is (a one-line
+    registration there, see the report)."""
+    assert record.RENDERERS == {"engine": {"engine.md": record.engine_md}}
+
+
+# ---------------------------------------------------------------------------
+# Command line and make target
+# ---------------------------------------------------------------------------
+
+
+def test_cli_help_and_plan():
+    cli = [sys.executable, str(BENCH / "engine" / "cli.py")]
+    r = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "build-models" in r.stdout
+    r = subprocess.run([*cli, "plan", "--quick"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "VLLM_DSA_INDEXER_TRITON=1" in r.stdout and "--attention-backend FLASHMLA_SPARSE" in r.stdout
+    assert "llama-server" in r.stdout and "--random-input-len 16384" in r.stdout
+    r = subprocess.run([*cli, "plan", "--files", "glm5-tp8:q5_k_s"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "expected <checkpoint>:<type>" in r.stderr
+
+
+def test_run_script_and_make_target():
+    script = REPO / "scripts" / "run-bench-engine.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run([str(script), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown argument" in r.stderr
+    r = subprocess.run(["make", "-n", "bench-engine"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0
+    assert "scripts/supervise.py scripts/run-bench-engine.sh ${BENCH_ENGINE_ARGS:-}" in r.stdout
+    help_lines = (REPO / "Makefile").read_text()
+    assert "## bench-engine:" in help_lines
