@@ -1,7 +1,7 @@
 """Lint of patches/ and of the documents that describe the repository.
 
 Small single-purpose checks; each reports every offender it finds, not only
-the first. The header rules (see README, "Working on the series"):
+the first. The header rules (see docs/series.md, "Working on the series"):
 
 - `Upstream-Status:` once per patch, one of Pending, Submitted [where],
   Accepted, Backport [vLLM X], Denied, Inappropriate [why];

@@ -1,6 +1,6 @@
 """Render the end-to-end run record (E2E_RECORD, JSON lines written by
 test_engine.py) as a markdown table: `python tests/e2e/record.py IN.jsonl OUT.md`.
-The output is generated; notes about a run belong in docs/."""
+The output is generated; notes about a run belong in tests/e2e/runs/<card>/<date>/NOTES.md."""
 
 from __future__ import annotations
 
