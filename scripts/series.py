@@ -24,15 +24,13 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from patchseries import REPO_ROOT, SeriesError, compat, rebase  # noqa: E402
-from patchseries.fetch import fetch_file  # noqa: E402
-from patchseries.jobs import jobs_from_environment  # noqa: E402
-from patchseries.patchfile import read_series, series_digest  # noqa: E402
-from patchseries.pin import load_pin  # noqa: E402
-from patchseries.release import checkout_target, release_target  # noqa: E402
-from patchseries.tree import apply_series, export_series  # noqa: E402
+from patchseries import REPO_ROOT, SeriesError, compat, rebase
+from patchseries.fetch import fetch_file
+from patchseries.jobs import jobs_from_environment
+from patchseries.patchfile import read_series, series_digest
+from patchseries.pin import load_pin
+from patchseries.release import checkout_target, release_target
+from patchseries.tree import apply_series, export_series
 
 LOCAL_LABEL = "dsa.sm120"
 

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 
+import benchdata
+from benchdata import BenchData, card_slug, read, results_dir
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
-
-import benchdata  # noqa: E402
-from benchdata import BenchData, card_slug, read, results_dir  # noqa: E402
 
 RENDER = [sys.executable, str(BENCH / "render.py")]
 

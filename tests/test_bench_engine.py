@@ -28,14 +28,13 @@ from pathlib import Path
 
 import pytest
 
+from benchdata import BenchData, read
+from engine import parse, record, vocab
+from engine import spec as specs
+from engine import workloads as wl
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
-
-from benchdata import BenchData, read  # noqa: E402
-from engine import parse, record, vocab  # noqa: E402
-from engine import spec as specs  # noqa: E402
-from engine import workloads as wl  # noqa: E402
 
 FAKE_ENV = {
     "date_utc": "2026-12-02 10:00", "card": "NVIDIA H200", "sms": 132, "capability": "9.0",

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
+
+import models
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-
-import models  # noqa: E402
 
 
 def models_dir() -> Path:

@@ -7,14 +7,10 @@ import datetime
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cases import models_dir  # noqa: E402
+from cases import models_dir
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,9 @@ import argparse
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cases import model_paths, models_dir  # noqa: E402
+from cases import model_paths, models_dir
 
 _MACHINE = ("date", "card", "driver", "gpus", "vllm", "torch", "triton")
 

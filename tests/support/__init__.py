@@ -4,5 +4,6 @@
 and the loaders of the peer kernels (FlashMLA, DeepGEMM).
 
 Imported as ``support``: pytest puts ``tests/`` on ``sys.path`` (the
-rootdir conftest), bench scripts do so through ``bench/harness.py``.
+``pythonpath`` of pyproject.toml), bench scripts do so through
+``bench/harness.py``.
 """
