@@ -95,14 +95,15 @@ def main():
     for kind, b, q_len, seq, heads, dtype in cases:
         impl, md, cache, q, ql_nope, q_pe = setup(b, q_len, seq, heads, dtype)
 
-        def backend():
+        # Called and captured in this iteration only; the defaults bind its tensors.
+        def backend(impl=impl, ql_nope=ql_nope, q_pe=q_pe, cache=cache, md=md):
             return impl.forward_mqa((ql_nope, q_pe), cache, md, None)[0]
 
         slots = impl._to_global_slots(impl.topk_indices_buffer, md)
         kv = cache.view(-1, 1, D)
         idx = slots.view(slots.shape[0], 1, -1)
 
-        def kernel():
+        def kernel(q=q, kv=kv, idx=idx, impl=impl):
             return sparse_mla_fwd(q, kv, idx, impl.softmax_scale, DV)[0]
 
         torch.testing.assert_close(backend(), kernel(), rtol=0, atol=0)

@@ -21,6 +21,7 @@ shuffled blocks, next_n 1 and 2.
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -32,13 +33,14 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import harness  # noqa: E402, F401  (puts tests/ on the path for support)
 import torch  # noqa: E402
 import triton  # noqa: E402
+from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
+
+import harness  # noqa: E402, F401  (puts tests/ on the path for support)
 from benchdata import BenchData, environment, results_dir  # noqa: E402
 from support.indexer_ref import ref_logits  # noqa: E402
 from support.peers import load_deep_gemm as load_peer_deep_gemm  # noqa: E402
-from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
 
 H, D, TOPK, BLOCK = 32, 128, 2048, 64
 FP8 = torch.float8_e4m3fn
@@ -406,10 +408,10 @@ def prefill_timings(dev):
         q, k8, ks_, w, ks, ke = prefill_case(t, s, reqs, dev, seed=1)
         flops = 2.0 * H * D * (ke - ks).clamp_min(0).sum().item()
         row = {"kind": "prefill", "T": t, "S": s, "reqs": reqs}
-        row["triton_ms"] = bench(
-            lambda: tdi.fp8_mqa_logits(q, (k8, ks_), w, ks, ke, clean_logits=False))
+        row["triton_ms"] = bench(functools.partial(
+            tdi.fp8_mqa_logits, q, (k8, ks_), w, ks, ke, clean_logits=False))
         if DG is not None:
-            row["deepgemm_ms"] = bench(lambda: dg_mqa(q, k8, ks_, w, ks, ke, False))
+            row["deepgemm_ms"] = bench(functools.partial(dg_mqa, q, k8, ks_, w, ks, ke, False))
             row["ratio_dg_over_triton"] = row["deepgemm_ms"] / row["triton_ms"]
         row["triton_tflops"] = flops / row["triton_ms"] / 1e9
         add("timings", row, ("kind", "T", "S", "reqs", "B", "next_n", "max_len"))
@@ -426,12 +428,13 @@ def decode_timings(dev):
         out = torch.empty(b * next_n, max_len, device=dev)
         row = {"kind": "decode", "B": b, "next_n": next_n, "max_len": max_len,
                "mean_ctx": ctx.float().mean().item()}
-        row["triton_ms"] = bench(lambda: tdi.fp8_paged_mqa_logits(
-            q, cache, w, ctx2d, bt, None, max_len, clean_logits=False, out=out))
+        row["triton_ms"] = bench(functools.partial(
+            tdi.fp8_paged_mqa_logits, q, cache, w, ctx2d, bt, None, max_len,
+            clean_logits=False, out=out))
         if DG is not None:
             _, sched = dg_paged(q, cache, w, ctx2d, bt, max_len, False)
             row["deepgemm_ms"] = bench(
-                lambda: dg_paged(q, cache, w, ctx2d, bt, max_len, False, sched))
+                functools.partial(dg_paged, q, cache, w, ctx2d, bt, max_len, False, sched))
             row["ratio_dg_over_triton"] = row["deepgemm_ms"] / row["triton_ms"]
         row["triton_kv_TBps"] = nbytes / row["triton_ms"] / 1e9
         # GPU time alone (host launch overhead excluded) via graph replay.
@@ -443,8 +446,9 @@ def decode_timings(dev):
             row["triton_graph_ms"] = bench(g.replay)
         # The torch fallback top-k, for scale (vLLM uses its _C ops).
         idx = torch.empty(b * next_n, TOPK, dtype=torch.int32, device=dev)
-        row["fallback_topk_ms"] = bench(lambda: tdi.top_k_per_row_decode(
-            out, next_n, ctx2d, idx, b * next_n, out.stride(0), 1, TOPK))
+        row["fallback_topk_ms"] = bench(functools.partial(
+            tdi.top_k_per_row_decode, out, next_n, ctx2d, idx, b * next_n, out.stride(0), 1,
+            TOPK))
         add("timings", row, ("kind", "T", "S", "reqs", "B", "next_n", "max_len"))
         log(json.dumps(row))
 
@@ -479,8 +483,8 @@ def sweep(dev):
             same = torch.equal(torch.isneginf(out), torch.isneginf(ref_out))
             fin = torch.isfinite(ref_out)
             e = rel(out[fin], ref_out[fin].double())
-            ms = bench(lambda cfg=cfg: tdi.fp8_mqa_logits(
-                q, (k8, ks_), w, ks, ke, clean_logits=False, config=cfg))
+            ms = bench(functools.partial(
+                tdi.fp8_mqa_logits, q, (k8, ks_), w, ks, ke, clean_logits=False, config=cfg))
             row = {"kind": "prefill", "shape": [t, s], "config": cfg.__dict__,
                    "ms": ms, "ok": bool(same and e < 1e-5), "rel_vs_default": e}
         except Exception as ex:
@@ -500,9 +504,9 @@ def sweep(dev):
             ok = torch.equal(torch.isneginf(out), torch.isneginf(ref_out)) and (
                 rel(out[fin], ref_out[fin].double()) < 1e-5)
             buf = torch.empty_like(out)
-            ms = bench(lambda cfg=cfg: tdi.fp8_paged_mqa_logits(
-                q, cache, w, ctx, bt, None, max_len, clean_logits=False, out=buf,
-                config=cfg))
+            ms = bench(functools.partial(
+                tdi.fp8_paged_mqa_logits, q, cache, w, ctx, bt, None, max_len,
+                clean_logits=False, out=buf, config=cfg))
             row = {"kind": "decode", "shape": [b, next_n, max_len],
                    "config": cfg.__dict__, "ms": ms, "ok": bool(ok)}
         except Exception as ex:
@@ -515,8 +519,8 @@ def summary():
     rows = {t: [r for r in DATA.rows if r["table"] == t]
             for t in ("checks", "timings", "sweep")}
     checks = [r["figures"]["ok"] for r in rows["checks"]]
-    lines = ["", "== checks: %d pass, %d fail; notes: %d" % (
-        sum(checks), len(checks) - sum(checks), len(DATA.notes))]
+    lines = ["", (f"== checks: {sum(checks)} pass, {len(checks) - sum(checks)} fail; "
+                  f"notes: {len(DATA.notes)}")]
     for r in rows["checks"]:
         if not r["figures"]["ok"]:
             lines.append("  FAIL " + r["inputs"]["name"])

@@ -25,21 +25,22 @@ import argparse
 import json
 import sys
 
-import harness
 import torch
 import triton
-from benchdata import BenchData, environment, results_dir
-from harness import POOL, SCALE, ceilings, input_sets, n_rotate, timed
-from sm120_occupancy import available, shared_per_sm
-from sparse_mla_work import D_QK, D_V, TOPK, work
-from support.peers import load_flashmla_sparse
-from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
     auto_config,
     get_config,
     sparse_mla_fwd,
 )
+
+import harness
+from benchdata import BenchData, environment, results_dir
+from harness import POOL, SCALE, ceilings, input_sets, n_rotate, timed
+from sm120_occupancy import available, shared_per_sm
+from sparse_mla_work import D_QK, D_V, TOPK, work
+from support.peers import load_flashmla_sparse
+from support.sparse_mla_ref import ref_sparse_mla
 
 H_LIST = [8, 16, 32, 64, 128]
 SQ_LIST = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
@@ -222,7 +223,8 @@ def run_sweep(data, kv_bf16, gen, part=(0, 1)):
                     ),
                     sets,
                 )
-                data.row("sweep", {"case": case, "config": list(cfg), "num_splits": ns}, us=ms * 1e3)
+                data.row("sweep", {"case": case, "config": list(cfg), "num_splits": ns},
+                         us=ms * 1e3)
                 print(case, tuple(cfg), ns, f"{ms * 1e3:.1f} us", flush=True)
         if part == (0, 1):
             ms = timed(lambda q, i: sparse_mla_fwd(q, kv_bf16, i, SCALE, out=out), sets)
@@ -258,7 +260,8 @@ def check_picks(data, picks):
                 )
                 data.row(
                     "pick_check",
-                    {"pick": f"sm{major}x bucket {bkt}", "config": list(cfg), "dtype": dname, "h_q": h_q},
+                    {"pick": f"sm{major}x bucket {bkt}", "config": list(cfg), "dtype": dname,
+                     "h_q": h_q},
                     rel_err=err,
                     ok=ok,
                 )
@@ -307,11 +310,14 @@ def probe_empty_row(op):
     o, m, lse_f = op(q, kv, idx, SCALE, D_V)
     mine = sparse_mla_fwd(q, kv, idx, SCALE)
     txt = (
-        f"FlashMLA all-invalid row: out absmax {o[0].abs().max().item()}, max_logits {m[0, :2].tolist()}, "
+        f"FlashMLA all-invalid row: out absmax {o[0].abs().max().item()}, "
+        f"max_logits {m[0, :2].tolist()}, "
         f"lse {lse_f[0, :2].tolist()}, nan out {torch.isnan(o[0]).any().item()}; "
-        f"Triton: out absmax {mine[0][0].abs().max().item()}, max_logits {mine[1][0, :2].tolist()}, "
+        f"Triton: out absmax {mine[0][0].abs().max().item()}, "
+        f"max_logits {mine[1][0, :2].tolist()}, "
         f"lse {mine[2][0, :2].tolist()}; valid-row lse diff "
-        f"{(mine[2][1] - lse_f[1]).abs().max().item():.2e}, max_logits diff {(mine[1][1] - m[1]).abs().max().item():.2e}"
+        f"{(mine[2][1] - lse_f[1]).abs().max().item():.2e}, "
+        f"max_logits diff {(mine[1][1] - m[1]).abs().max().item():.2e}"
     )  # fmt: skip
     print(txt, flush=True)
     return txt
@@ -319,8 +325,11 @@ def probe_empty_row(op):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--flashmla-so", default=None, help="FlashMLA library (else $FLASHMLA_SO or the wheel)")
-    ap.add_argument("--results", default=None, help="results root (default bench/results); data go to <root>/<card>/sparse_mla.jsonl")
+    ap.add_argument("--flashmla-so", default=None,
+                    help="FlashMLA library (else $FLASHMLA_SO or the wheel)")
+    ap.add_argument("--results", default=None,
+                    help="results root (default bench/results); data go to "
+                         "<root>/<card>/sparse_mla.jsonl")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy table")
     ap.add_argument("--sweep", action="store_true", help="also time config / split variants")
     ap.add_argument("--no-bench", action="store_true", help="skip the timing table")
@@ -369,7 +378,8 @@ def main():
 
     copy_bw, mm_rate = (1.0, 1.0) if args.warm_only else ceilings()
     data.figures.update(copy_tbps=copy_bw / 1e12, matmul_tflops=mm_rate / 1e12)
-    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s",
+          flush=True)
     picks = {}
     if args.sweep:
         gen = torch.Generator(device="cuda").manual_seed(2)

@@ -25,6 +25,7 @@ if _TESTS not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
 from sm120_occupancy import one_cta_per_sm  # noqa: E402
 from sparse_mla_work import D_QK, TOPK  # noqa: E402
 

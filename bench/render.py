@@ -50,10 +50,10 @@ def header(run: dict) -> list[str]:
     env = run["env"]
     g = lambda k: env.get(k, "?")  # noqa: E731
     lines = [
-        f"Date: {g('date_utc')} UTC. Card: {g('card')} ({g('sms')} SMs, capability "
-        f"{g('capability')}), driver {g('driver')}, torch {g('torch')}, triton "
-        f"{g('triton')}. Series {g('series')}, repo commit {g('commit')}. "
-        f"Command: `{g('command')}`.",
+        (f"Date: {g('date_utc')} UTC. Card: {g('card')} ({g('sms')} SMs, capability "
+         f"{g('capability')}), driver {g('driver')}, torch {g('torch')}, triton "
+         f"{g('triton')}. Series {g('series')}, repo commit {g('commit')}. "
+         f"Command: `{g('command')}`."),
     ]
     for note in run.get("notes", []):
         lines += ["", note]
@@ -63,8 +63,8 @@ def header(run: dict) -> list[str]:
 def footer(bench: str) -> list[str]:
     return [
         "",
-        f"Rendered by bench/render.py from `{bench}.jsonl`; analysis and what "
-        f"was tried: [docs/performance.md]({DOCS}).",
+        (f"Rendered by bench/render.py from `{bench}.jsonl`; analysis and what "
+         f"was tried: [docs/performance.md]({DOCS})."),
     ]
 
 
@@ -101,8 +101,8 @@ def sparse_mla_md(run: dict, rows: list[dict]) -> str:
     out = ["# Sparse MLA timings", "", *header(run), ""]
     if "copy_tbps" in f:
         out += [
-            f"Ceilings measured in this run: copy {f['copy_tbps']:.2f} TB/s (read+write), "
-            f"bf16 matmul {f['matmul_tflops']:.0f} TFLOP/s.",
+            (f"Ceilings measured in this run: copy {f['copy_tbps']:.2f} TB/s (read+write), "
+             f"bf16 matmul {f['matmul_tflops']:.0f} TFLOP/s."),
             "",
         ]
     out += [SPARSE_MLA_ABOUT, ""]
@@ -127,7 +127,8 @@ def sparse_mla_md(run: dict, rows: list[dict]) -> str:
              for i, m in sweep],
         )  # fmt: skip
     if "sweep_picks" in f:
-        out += ["", f"Picked prefill configs (used for the tables above): {json.dumps(f['sweep_picks'])}"]
+        out += ["", ("Picked prefill configs (used for the tables above): "
+                     f"{json.dumps(f['sweep_picks'])}")]
     checks = rows_of(rows, "pick_check")
     if checks:
         out += [""] + table(
@@ -137,15 +138,16 @@ def sparse_mla_md(run: dict, rows: list[dict]) -> str:
               fmt(m["rel_err"], ".2e"), "ok" if m["ok"] else "FAIL"] for i, m in checks],
         )  # fmt: skip
     if "prefill_picks" in f:
-        out += ["", f"Prefill configs timed instead of the tables': {json.dumps(f['prefill_picks'])}"]
+        out += ["", ("Prefill configs timed instead of the tables': "
+                     f"{json.dumps(f['prefill_picks'])}")]
     return "\n".join(out + footer("sparse_mla")) + "\n"
 
 
 def sparse_mla_accuracy_md(run: dict, rows: list[dict]) -> str:
     out = ["# Sparse MLA accuracy vs fp64 reference", "", *header(run), ""]
     out += [
-        "topk 2048, s_kv 65536, unique random indices, sm_scale 576^-0.5; rel err = "
-        "||out - ref|| / ||ref||; lse error in natural-log units.",
+        ("topk 2048, s_kv 65536, unique random indices, sm_scale 576^-0.5; rel err = "
+         "||out - ref|| / ||ref||; lse error in natural-log units."),
         "",
     ]
     out += table(
@@ -226,18 +228,18 @@ def sparse_mla_paths_md(run: dict, rows: list[dict]) -> str:
     out = ["# Sparse MLA: the automatic path and split choice against every option", ""]
     out += [*header(run), ""]
     out += [
-        "bf16, topk 2048, GLM-5 shapes, times per call from CUDA-graph replays over "
-        "rotated inputs. For each (h_q, s_q): the table's prefill config in one pass and "
-        "its decode config over topk in 1, 2, 4, … splits (`decode/1`: the decode config "
-        "in one pass), then the one `auto_config` picks. Every option's time is in the data."
+        ("bf16, topk 2048, GLM-5 shapes, times per call from CUDA-graph replays over "
+         "rotated inputs. For each (h_q, s_q): the table's prefill config in one pass and "
+         "its decode config over topk in 1, 2, 4, … splits (`decode/1`: the decode config "
+         "in one pass), then the one `auto_config` picks. Every option's time is in the data.")
     ]
     paths = rows_of(rows, "paths")
     for mi, mf in rows_of(rows, "modes"):
         mode = mi["mode"]
         out += [
             "",
-            f"**{mode}** ({mi['tables']} tables, {mi['sms']} SMs, {mi['shared_per_sm']} B "
-            "of shared memory per SM as auto_config sees it)",
+            (f"**{mode}** ({mi['tables']} tables, {mi['sms']} SMs, {mi['shared_per_sm']} B "
+             "of shared memory per SM as auto_config sees it)"),
             "",
         ]
         out += table(
@@ -249,8 +251,8 @@ def sparse_mla_paths_md(run: dict, rows: list[dict]) -> str:
         )  # fmt: skip
         out += [
             "",
-            f"{mode}: choice / fastest option, geometric mean {mf['geo_mean']:.3f}, worst "
-            f"{mf['worst']:.2f}, within 5 % in {mf['within_5pct']} of {mf['cases']} cases.",
+            (f"{mode}: choice / fastest option, geometric mean {mf['geo_mean']:.3f}, worst "
+             f"{mf['worst']:.2f}, within 5 % in {mf['within_5pct']} of {mf['cases']} cases."),
         ]
     return "\n".join(out + footer("sparse_mla_paths")) + "\n"
 
@@ -266,9 +268,9 @@ def sparse_mla_decode_bounds_md(run: dict, rows: list[dict]) -> str:
     if bounds:
         out += [
             "",
-            f"Copy bandwidth in this run: {run['figures']['copy_tbps']:.2f} TB/s (read + "
-            "write). Copy-bound = the gathered bytes (s_q × 2048 × 576 × 2) at that rate. "
-            "µs per call.",
+            (f"Copy bandwidth in this run: {run['figures']['copy_tbps']:.2f} TB/s (read + "
+             "write). Copy-bound = the gathered bytes (s_q × 2048 × 576 × 2) at that rate. "
+             "µs per call."),
             "",
         ]
 
@@ -331,9 +333,9 @@ def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
             "",
             "## Timings (median ms)",
             "",
-            "TFLOP/s counts 2 * 32 * 128 per (token, key) pair inside the windows; TB/s counts "
-            "the cache bytes of the context (132 per token) only. DeepGEMM's decode time "
-            "excludes its schedule-metadata kernel.",
+            ("TFLOP/s counts 2 * 32 * 128 per (token, key) pair inside the windows; TB/s counts "
+             "the cache bytes of the context (132 per token) only. DeepGEMM's decode time "
+             "excludes its schedule-metadata kernel."),
             "",
         ]
 
@@ -440,8 +442,10 @@ def render_all(root: Path, check: bool, png: bool) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")
-    ap.add_argument("--check", action="store_true", help="compare, write nothing; exit 1 on a difference")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="results root (default bench/results)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare, write nothing; exit 1 on a difference")
     ap.add_argument("--no-png", action="store_true", help="leave the plots out")
     args = ap.parse_args()
     png = not args.no_png and has_matplotlib()

@@ -35,15 +35,16 @@ import re
 import subprocess
 import tempfile
 
-import harness
 import torch
 import triton
 import triton.language as tl
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+import harness
 from benchdata import BenchData, environment, results_dir
-from support.aot import compile_for, sparse_mla_kernel
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, TOPK
-from vllm.v1.attention.ops import triton_sparse_mla as tsm
+from support.aot import compile_for, sparse_mla_kernel
 
 L2_ROWS = 8192
 SQ_LIST = [1, 4, 16, 64]
@@ -257,7 +258,8 @@ def main():
     ap.add_argument(
         "--results",
         default=None,
-        help="results root (default bench/results); data go to <root>/<card>/sparse_mla_decode_bounds.jsonl",
+        help="results root (default bench/results); data go to "
+        "<root>/<card>/sparse_mla_decode_bounds.jsonl",
     )
     ap.add_argument(
         "--card", default=None, help="device name for the results folder (default: the GPU's)"

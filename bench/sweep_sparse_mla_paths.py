@@ -29,18 +29,20 @@ import math
 
 import torch
 import triton
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
 from benchdata import BenchData, environment, results_dir
 from harness import POOL, SCALE, input_sets, n_rotate, timed
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK
-from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 MODES = {
     "sm90": ((9, 0), False),
     "sm12": ((12, 0), False),
     "sm12-1cta": ((12, 0), True),
 }
-SQ_LIST = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384]  # fmt: skip
+SQ_LIST = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256,
+           320, 384]  # fmt: skip
 
 
 def options(cap, h_q, s_q, num_sms, shared):
@@ -82,7 +84,8 @@ def main():
     ap.add_argument(
         "--results",
         default=None,
-        help="results root (default bench/results); data go to <root>/<card>/sparse_mla_paths.jsonl",
+        help="results root (default bench/results); data go to "
+        "<root>/<card>/sparse_mla_paths.jsonl",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -137,11 +140,13 @@ def main():
                     ratio=ratios[-1],
                     times_us=times,
                 )
-                print(mode, h_q, s_q, pick, f"{times[pick]:.1f}", best, f"{times[best]:.1f}", flush=True)
+                print(mode, h_q, s_q, pick, f"{times[pick]:.1f}", best, f"{times[best]:.1f}",
+                      flush=True)
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         data.row(
             "modes",
-            {"mode": mode, "tables": f"{cap[0]}.{cap[1]}", "sms": props.multi_processor_count, "shared_per_sm": shared},
+            {"mode": mode, "tables": f"{cap[0]}.{cap[1]}", "sms": props.multi_processor_count,
+             "shared_per_sm": shared},
             geo_mean=geo,
             worst=max(ratios),
             within_5pct=sum(r <= 1.05 for r in ratios),

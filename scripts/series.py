@@ -81,7 +81,8 @@ def main(argv: list[str]) -> int:
     command, args = argv[0], argv[1:]
     pin = load_pin()
     if command == "fetch" and args in (["sdist"], ["wheel"]):
-        name, sha = (pin.sdist, pin.sdist_sha256) if args[0] == "sdist" else (pin.wheel, pin.wheel_sha256)
+        name, sha = ((pin.sdist, pin.sdist_sha256) if args[0] == "sdist"
+                     else (pin.wheel, pin.wheel_sha256))
         print(fetch_file("vllm", name, sha))
     elif command == "apply" and not args:
         src = os.environ.get("VLLM_SRC")

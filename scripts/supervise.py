@@ -22,6 +22,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -34,10 +35,9 @@ _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _become_subreaper() -> None:
-    try:
+    # Not Linux: descendants whose parent exits are not seen.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: descendants whose parent exits are not seen
 
 
 def descendants(root: int) -> list[int]:
@@ -62,10 +62,8 @@ def descendants(root: int) -> list[int]:
 def _signal_descendants(signum: int) -> list[int]:
     pids = descendants(os.getpid())
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
     return pids
 
 

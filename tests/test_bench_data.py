@@ -193,11 +193,13 @@ def fake_sparse_mla(tmp_path: Path) -> Path:
         lse_max_abs_err=1.5e-6,
         flashmla_rel_err=None,
     )
-    data.row("sweep", {"case": "decode h8 s_q1", "config": [16, 32, 4, 3, True, False], "num_splits": 4}, us=9.87)
+    data.row("sweep", {"case": "decode h8 s_q1", "config": [16, 32, 4, 3, True, False],
+                       "num_splits": 4}, us=9.87)
     data.row("sweep", {"case": "decode h8 s_q1", "config": "auto", "num_splits": "auto"}, us=9.5)
     data.row(
         "pick_check",
-        {"pick": "sm12x bucket 16", "config": [16, 64, 4, 2, False, False], "dtype": "bf16", "h_q": 8},
+        {"pick": "sm12x bucket 16", "config": [16, 64, 4, 2, False, False], "dtype": "bf16",
+         "h_q": 8},
         rel_err=1.9e-3,
         ok=True,
     )
@@ -206,7 +208,8 @@ def fake_sparse_mla(tmp_path: Path) -> Path:
 
 def test_written_data_reads_back(tmp_path):
     path = fake_sparse_mla(tmp_path)
-    assert path == tmp_path / "nvidia-rtx-pro-6000-blackwell-workstation-edition" / "sparse_mla.jsonl"
+    card = "nvidia-rtx-pro-6000-blackwell-workstation-edition"
+    assert path == tmp_path / card / "sparse_mla.jsonl"
     assert not list(path.parent.glob("*.tmp"))
     run, rows = read(path)
     assert run["bench"] == "sparse_mla" and run["env"] == FAKE_ENV
@@ -233,7 +236,8 @@ def test_fake_sparse_mla_renders(tmp_path):
     md = (path.parent / "sparse_mla.md").read_text()
     assert "| bf16 | 64 | 64 | triton | 704.0 | 1.2 | 3.50 | 0.33 | 1.50 |" in md
     assert "| bf16 | 64 | 64 | flashmla | 704.0 | 1.2 | 3.50 | 0.33 |  |" in md
-    assert "Card: NVIDIA RTX PRO 6000 Blackwell Workstation Edition (188 SMs, capability 12.0)" in md
+    assert ("Card: NVIDIA RTX PRO 6000 Blackwell Workstation Edition (188 SMs, capability 12.0)"
+            in md)
     assert "Series 0.23.0+dsa.sm120.test, repo commit abc123." in md
     assert "copy 1.50 TB/s (read+write), bf16 matmul 400 TFLOP/s" in md
     assert "| decode h8 s_q1 | (16, 32, 4, 3, True, False) | 4 | 9.9 |" in md
@@ -256,25 +260,31 @@ def test_fake_paths_and_bounds_render(tmp_path):
     folder = results_dir(FAKE_ENV["card"], tmp_path)
     paths = BenchData("sparse_mla_paths", FAKE_ENV)
     paths.row("paths", {"mode": "sm12", "h_q": 8, "s_q": 4}, choice="decode/32", choice_us=12.44,
-              fastest="decode/16", fastest_us=12.0, ratio=1.0367, times_us={"decode/32": 12.44, "decode/16": 12.0})  # fmt: skip
+              fastest="decode/16", fastest_us=12.0, ratio=1.0367,
+              times_us={"decode/32": 12.44, "decode/16": 12.0})  # fmt: skip
     paths.row("modes", {"mode": "sm12", "tables": "12.0", "sms": 188, "shared_per_sm": 102400},
               geo_mean=1.0367, worst=1.0367, within_5pct=1, cases=1)  # fmt: skip
     paths.write(folder)
     bounds = BenchData("sparse_mla_decode_bounds", FAKE_ENV)
     bounds.figures["copy_tbps"] = 1.5
-    bounds.row("bounds", {"tables": "SM12x", "h_q": 8, "s_q": 1, "config": [16, 32, 4, 3], "hoist": True,
-               "gluon": False, "splits": 64}, call_us=9.3, main_us=6.04, merge_us=3.26, l2_us=5.0,
+    bounds.row("bounds", {"tables": "SM12x", "h_q": 8, "s_q": 1, "config": [16, 32, 4, 3],
+                          "hoist": True, "gluon": False, "splits": 64},
+               call_us=9.3, main_us=6.04, merge_us=3.26, l2_us=5.0,
                floor_us=4.7, floor_splits=64, copy_us=0.6, x_floor=1.98)  # fmt: skip
-    bounds.row("sass", {"target": "sm_120", "path": "decode", "config": [16, 32, 4, 3], "hoist": True},
-               shared_bytes=93184, registers=191, instructions=659, counts={"HMMA": 68, "BAR": 21})  # fmt: skip
+    bounds.row("sass", {"target": "sm_120", "path": "decode", "config": [16, 32, 4, 3],
+                        "hoist": True},
+               shared_bytes=93184, registers=191, instructions=659,
+               counts={"HMMA": 68, "BAR": 21})  # fmt: skip
     bounds.write(folder)
     assert render("--no-png", "--results", str(tmp_path)).returncode == 0
     md = (folder / "sparse_mla_paths.md").read_text()
     assert "**sm12** (12.0 tables, 188 SMs, 102400 B of shared memory per SM" in md
     assert "| 8 | 4 | decode/32 | 12.4 | decode/16 | 12.0 | 1.04 |" in md
-    assert "sm12: choice / fastest option, geometric mean 1.037, worst 1.04, within 5 % in 1 of 1 cases." in md
+    assert ("sm12: choice / fastest option, geometric mean 1.037, worst 1.04, "
+            "within 5 % in 1 of 1 cases.") in md
     md = (folder / "sparse_mla_decode_bounds.md").read_text()
-    assert "| SM12x | 8 | 1 | (16, 32, 4, 3) hoist × 64 | 9.3 | 6.0 | 3.3 | 5.0 | 4.7 (64) | 0.6 | 1.98 |" in md
+    assert ("| SM12x | 8 | 1 | (16, 32, 4, 3) hoist × 64 | 9.3 | 6.0 | 3.3 | 5.0 | 4.7 (64) | "
+            "0.6 | 1.98 |") in md
     assert "| HMMA | BAR |" in md
     assert "| sm_120 | decode (16, 32, 4, 3) hoist | 93184 | 191 | 659 | 68 | 21 |" in md
 

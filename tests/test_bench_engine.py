@@ -298,12 +298,14 @@ def test_iq_types_need_the_importance_matrix(built, tmp_path):
 
 def test_workload_matrix():
     w = wl.WORKLOADS
-    assert [w[n].input_len for n in ("single-4k", "single-32k", "single-128k")] == [4096, 32768, 131072]
+    single = ("single-4k", "single-32k", "single-128k")
+    assert [w[n].input_len for n in single] == [4096, 32768, 131072]
     assert all(w[n].concurrency == 1 for n in ("single-4k", "prefill-64k"))
     for n, c in (("concurrent-8", 8), ("concurrent-32", 32), ("concurrent-64", 64)):
         assert (w[n].input_len, w[n].output_len, w[n].concurrency) == (2048, 512, c)
-    assert [w[n].input_len for n in ("prefill-4k", "prefill-16k", "prefill-64k")] == [4096, 16384, 65536]
-    assert all(w[n].output_len == 1 for n in ("prefill-4k", "prefill-16k", "prefill-64k"))
+    prefill = ("prefill-4k", "prefill-16k", "prefill-64k")
+    assert [w[n].input_len for n in prefill] == [4096, 16384, 65536]
+    assert all(w[n].output_len == 1 for n in prefill)
     full = wl.plan(False)
     assert full["paths"] == ["triton-fp16", "auto-sm120", "flashmla-bf16", "llama.cpp"]
     assert wl.max_model_len(full["workloads"]) == 132096
@@ -380,7 +382,8 @@ def test_bench_serve_arguments_parse_with_vllms_parser():
 def test_llama_cpp_command_lines():
     q = wl.plan(True)["workloads"]
     groups = wl.llama_server_groups(q)
-    assert [[w.name for w in g] for g in groups] == [["single-4k", "prefill-16k"], ["concurrent-32"]]
+    assert [[w.name for w in g] for g in groups] == [["single-4k", "prefill-16k"],
+                                                     ["concurrent-32"]]
     assert wl.llama_server_slots(groups[0]) == (1, 16640)
     assert wl.llama_server_slots(groups[1]) == (32, 32 * 2560)
     assert wl.llama_server(Path("/b/llama-server"), GG, 8123, 32, 81920) == [
@@ -401,7 +404,8 @@ def test_llama_cpp_build_command():
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in args  # nothing downloaded at build time
     assert args[-2:] == ["-G", "Ninja"]
     assert llamacpp._keep("ggml/src/ggml-cuda/mmq.cu") and llamacpp._keep("tools/server/server.cpp")
-    assert not llamacpp._keep("models/ggml-vocab-llama-bpe.gguf") and not llamacpp._keep("docs/x.md")
+    assert (not llamacpp._keep("models/ggml-vocab-llama-bpe.gguf")
+            and not llamacpp._keep("docs/x.md"))
 
 
 # ---------------------------------------------------------------------------
@@ -446,7 +450,7 @@ INFO 12-02 10:00:01 [api_server.py:1000] vLLM API server version 0.23.0+dsa.sm12
 (EngineCore_DP0 pid=4242) INFO 12-02 10:01:10 [kv_cache_utils.py:1746] Maximum concurrency for 17,408 tokens per request: 950.76x
 (EngineCore_DP0 pid=4242) INFO 12-02 10:01:40 [gpu_model_runner.py:6586] Graph capturing finished in 18 secs, took 0.45 GiB
 (EngineCore_DP0 pid=4242) INFO 12-02 10:01:41 [core.py:314] init engine (profile, create kv cache, warmup model) took 55.21 s
-"""
+"""  # noqa: E501 (vLLM's log lines, verbatim)
 
 
 def test_parse_vllm_startup_log():
@@ -469,14 +473,16 @@ llama_kv_cache:      CUDA0 KV buffer size =   864.00 MiB
 llama_kv_cache: size =  864.00 MiB ( 16640 cells,   6 layers,  1/1 seqs), K (f16):  864.00 MiB, V (f16):    0.00 MiB
 llama_kv_cache_dsa:      CUDA0 KV buffer size =    99.00 MiB
 llama_kv_cache_dsa: size =   99.00 MiB ( 16640 cells,   6 layers,  1/1 seqs), K (f16):   99.00 MiB, V (f16):    0.00 MiB
-"""
+"""  # noqa: E501 (llama-server's log lines, verbatim)
 
 
 def test_parse_llama_server_and_bench():
     f = parse.llama_server_log(LLAMA_SERVER_LOG)
-    assert f["kv_cache_tokens"] == 16640 and f["kv_cache_gib"] == pytest.approx(963 / 1024, abs=1e-3)
+    assert (f["kv_cache_tokens"] == 16640
+            and f["kv_cache_gib"] == pytest.approx(963 / 1024, abs=1e-3))
     assert f["kv_bytes_per_token"] == pytest.approx(963 * 2**20 / 16640, abs=0.1)
-    out = ('main: some log line\n[\n  {"build_commit": "0c1e570", "model_type": "glm-dsa ?B Q4_K - Medium",'
+    out = ('main: some log line\n[\n  {"build_commit": "0c1e570", '
+           '"model_type": "glm-dsa ?B Q4_K - Medium",'
            ' "n_gpu_layers": 999, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ns": 1,'
            ' "stddev_ns": 1, "avg_ts": 5123.4, "stddev_ts": 12.5},\n  {"n_prompt": 0, "n_gen": 128,'
            ' "n_depth": 4096, "avg_ts": 88.1, "stddev_ts": 0.4}\n]\n')
@@ -526,7 +532,8 @@ def test_record_reads_back_and_renders(tmp_path):
     md = (path.parent / "engine.md").read_text()
     assert "Series 0.23.0+dsa.sm120.abcdef12, repo commit 0123456789ab." in md
     assert "Command: `bench/engine/cli.py run --quick`." in md and "**Quick run**" in md
-    assert "| glm5-tp8 | q4_k_m | 3.60 | 5,900,000,000 | F32 40, Q4_K 30, Q6_K 5 | 1.31 | 140 |" in md
+    assert ("| glm5-tp8 | q4_k_m | 3.60 | 5,900,000,000 | F32 40, Q4_K 30, Q6_K 5 | 1.31 | "
+            "140 |") in md
     assert ("| glm5-tp8 q4_k_m | triton-fp16 | TRITON_MLA_SPARSE | triton | 3.52 | 118.75 | "
             "16,550,912 | 7704 | 505.1 | 130000 | 95 |") in md
     assert ("| glm5-tp8 q4_k_m | concurrent-32 | triton-fp16 | 2000.0 | 7992.2 | 1.25 | 290.0 | "
@@ -548,7 +555,7 @@ def test_record_reads_back_and_renders(tmp_path):
 def test_render_machinery_shape():
     """engine.md plugs into bench/render.py's RENDERERS as is (a one-line
     registration there, see the report)."""
-    assert record.RENDERERS == {"engine": {"engine.md": record.engine_md}}
+    assert {"engine": {"engine.md": record.engine_md}} == record.RENDERERS
 
 
 # ---------------------------------------------------------------------------
@@ -562,7 +569,8 @@ def test_cli_help_and_plan():
     assert r.returncode == 0 and "build-models" in r.stdout
     r = subprocess.run([*cli, "plan", "--quick"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "VLLM_DSA_INDEXER_TRITON=1" in r.stdout and "--attention-backend FLASHMLA_SPARSE" in r.stdout
+    assert ("VLLM_DSA_INDEXER_TRITON=1" in r.stdout
+            and "--attention-backend FLASHMLA_SPARSE" in r.stdout)
     assert "llama-server" in r.stdout and "--random-input-len 16384" in r.stdout
     r = subprocess.run([*cli, "plan", "--files", "glm5-tp8:q5_k_s"], capture_output=True,
                        text=True, timeout=120)

@@ -4,6 +4,7 @@ vllm-src/) and a fake build venv whose `pip wheel` writes, fails or hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -183,10 +184,8 @@ def leftovers(fake: FakeRepo) -> list[str]:
 
 def kill_leftovers(fake: FakeRepo) -> None:
     for line in leftovers(fake):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 OLD_WHEEL = f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"

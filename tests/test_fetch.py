@@ -28,7 +28,8 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     page = tmp_path / "simple" / "demo"
     page.mkdir(parents=True)
     (page / "index.html").write_text(
-        '<html><body><a href="../../files/demo-1.0.tar.gz#sha256=x">demo-1.0.tar.gz</a></body></html>')
+        '<html><body><a href="../../files/demo-1.0.tar.gz#sha256=x">demo-1.0.tar.gz</a>'
+        '</body></html>')
     cache = tmp_path / "cache"
     monkeypatch.setenv("VLLM_DSA_CACHE", str(cache))
     return (tmp_path / "simple").as_uri(), hashlib.sha256(payload).hexdigest(), cache, files
@@ -91,7 +92,8 @@ def test_disagreement_names_the_side_the_index_takes(index, listed, verdict):
     fetch_file("demo", "demo-1.0.tar.gz", sha, indexes=[url])
     wrong = "0" * 64
     page = Path(urllib.parse.urlparse(url).path) / "demo" / "index.html"
-    page.write_text(page.read_text().replace("#sha256=x", f"#sha256={sha if listed == 'file' else wrong}"))
+    listed_sha = sha if listed == "file" else wrong
+    page.write_text(page.read_text().replace("#sha256=x", f"#sha256={listed_sha}"))
     with pytest.raises(SeriesError, match=verdict):
         fetch_file("demo", "demo-1.0.tar.gz", wrong, indexes=[url])
 

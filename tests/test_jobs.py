@@ -44,8 +44,9 @@ def pinned_rule():
             complaints.append(msg % args)
 
         namespace = {
-            "envs": SimpleNamespace(MAX_JOBS=None if max_jobs is None else str(max_jobs),
-                                    NVCC_THREADS=None if nvcc_threads is None else str(nvcc_threads)),
+            "envs": SimpleNamespace(
+                MAX_JOBS=None if max_jobs is None else str(max_jobs),
+                NVCC_THREADS=None if nvcc_threads is None else str(nvcc_threads)),
             "os": os, "Version": Version, "CUDA_HOME": "/usr/local/cuda",
             "_is_cuda": lambda: True, "get_nvcc_cuda_version": lambda: Version("13.0"),
             "logger": SimpleNamespace(info=lambda *a: None, warning=complain),
@@ -123,7 +124,8 @@ def test_environment_overrides(machine, env, expected):
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "4x"])
 def test_bad_environment_is_a_message(machine, name, value):
     machine.setenv(name, value)
-    with pytest.raises(SeriesError, match=f"{name}='{value}': expected a whole number of at least 1"):
+    with pytest.raises(SeriesError,
+                       match=f"{name}='{value}': expected a whole number of at least 1"):
         jobs_from_environment()
 
 

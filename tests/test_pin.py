@@ -49,6 +49,8 @@ def test_repository_pin_is_the_release_we_patch():
 
 def test_non_utf8_pin_file_names_file_and_line(tmp_path):
     pin = tmp_path / "vllm-pin.txt"
-    pin.write_bytes(GOOD.format(sha=SHA).replace("torch = 2.11.0", "torch = 2.11.0 \xa7").encode("latin-1"))
-    with pytest.raises(SeriesError, match=r"vllm-pin.txt:8: not UTF-8 text \(byte 0xa7 at column 16\)"):
+    text = GOOD.format(sha=SHA).replace("torch = 2.11.0", "torch = 2.11.0 \xa7")
+    pin.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SeriesError,
+                       match=r"vllm-pin.txt:8: not UTF-8 text \(byte 0xa7 at column 16\)"):
         load_pin(pin)

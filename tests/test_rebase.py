@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from patchseries import SeriesError
-from patchseries import compat
+from patchseries import SeriesError, compat, release
 from patchseries import rebase as rb
-from patchseries import release
 from patchseries.fetch import fetch_file
 from patchseries.patchfile import read_series
 from patchseries.pin import Pin, load_pin, pin_text

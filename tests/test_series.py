@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from patchseries import SeriesError
-from patchseries.pin import Pin, load_pin
+from patchseries import tree as tree_module
 from patchseries.gitrepo import UPSTREAM_TAG, git
 from patchseries.patchfile import read_series
-from patchseries import tree as tree_module
+from patchseries.pin import Pin, load_pin
 from patchseries.tree import apply_series, export_series
 
 
@@ -93,7 +93,8 @@ def test_conflict_into_a_new_tree_leaves_nothing(fixture_series, tmp_path):
     commit_change(up, "b.py", "b = 1\n", "b = 10\n", "upstream edit")
     moved = Pin(**{**pin.__dict__, "commit": run_git(up, "rev-parse", "HEAD")[:12]})
     target = tmp_path / "new-tree"
-    with pytest.raises(SeriesError, match=r"0002-second-change.patch does not apply; conflicts in: b.py"):
+    with pytest.raises(SeriesError,
+                       match=r"0002-second-change.patch does not apply; conflicts in: b.py"):
         apply_series(moved, tree=target, patch_dir=patches, src=up)
     assert not target.exists() and not (tmp_path / "new-tree.new").exists()
 

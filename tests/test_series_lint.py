@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from patchseries import SeriesError
-from patchseries.patchfile import header_fields, read_patch, series_entries, paths_in_tests_field
+from patchseries.patchfile import header_fields, paths_in_tests_field, read_patch, series_entries
 
 STATUS = re.compile(
     r"(?:Pending|Accepted|Denied)(?: \[.+\])?"

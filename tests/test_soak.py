@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 import pytest
+
 import soak
 
 VOCAB, MAX_LEN = 512, 256

@@ -114,7 +114,8 @@ def quantize(src: Path, dst: Path, gtype: specs.GgufType, nthread: int) -> float
             arr[i].type = _ggml_type(llama_cpp, t)
         arr[len(gtype.overrides)].pattern = None
         keep.append(arr)
-        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+        params.tt_overrides = ctypes.cast(
+            arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     if gtype.needs_imatrix:
         entries = imatrix_entries(src, gtype)
         arr = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()

@@ -7,7 +7,7 @@ scripts/run-bench-engine.sh).
     cli.py plan [--quick]                       # what a run does: files, servers, commands
     cli.py build-models [--quick | --files glm5-tp8:q4_k_m,...] [--out DIR]
     cli.py build-llama-cpp [--cache DIR]        # llama-server + llama-bench, CUDA, once per machine
-    cli.py pack-llama-src DEST.tar.gz           # the pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
+    cli.py pack-llama-src DEST.tar.gz           # pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
     cli.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
     cli.py render [--results DIR] [--check]     # engine.md from engine.jsonl
 
@@ -62,7 +62,8 @@ def cmd_plan(args) -> int:
                 continue
             path = wl.PATHS[p]
             env = " ".join(f"{k}={v}" for k, v in path.env.items())
-            print(f"{env} {' '.join(wl.vllm_serve(path, gguf, hf, port, max_len, 'python3'))}".strip())
+            serve = wl.vllm_serve(path, gguf, hf, port, max_len, "python3")
+            print(f"{env} {' '.join(serve)}".strip())
     print("\n# each workload, against each server:")
     for w in plan["workloads"]:
         print(" ".join(wl.bench_serve(w, port, hf, Path("<results>"), f"{w.name}.json")))
@@ -82,9 +83,11 @@ def cmd_build_models(args) -> int:
         if args.tiny:
             spec = specs.tiny(spec)
         info = build.build(spec, types, out, args.threads)
-        summary[spec.name] = {"seconds": info["seconds"],
-                              "files": {t: f["bytes"] for t, f in info["files"].items()},
-                              "routing": {k: v["max_over_mean"] for k, v in info["routing"].items()}}
+        summary[spec.name] = {
+            "seconds": info["seconds"],
+            "files": {t: f["bytes"] for t, f in info["files"].items()},
+            "routing": {k: v["max_over_mean"] for k, v in info["routing"].items()},
+        }
     print(json.dumps(summary, indent=1))
     return 0
 

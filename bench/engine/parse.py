@@ -46,7 +46,8 @@ def bench_serve(result: dict, w) -> dict:
 # multiprocess engine each is prefixed "(EngineCore_DP0 pid=N) INFO ... ".
 _VLLM = {
     "kv_cache_tokens": re.compile(r"GPU KV cache size: ([\d,]+) tokens"),
-    "max_concurrency": re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"),
+    "max_concurrency": re.compile(
+        r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"),
     "available_kv_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
     "model_load": re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds"),
     "graphs": re.compile(r"Graph capturing finished in ([\d.]+) secs?, took ([\d.-]+) GiB"),

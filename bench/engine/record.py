@@ -46,12 +46,12 @@ def engine_md(run: dict, rows: list[dict]) -> str:
     if env.get("quick"):
         out += ["**Quick run** (`--quick`): a subset of files, paths and workloads.", ""]
     out += [
-        "Checkpoints: random weights at one tensor-parallel rank's shapes of the real models "
-        "(bench/engine/spec.py), a few layers each: figures are the slice's, not the whole "
-        "model's. Each workload: `vllm bench serve`, random dataset, greedy, EOS ignored, "
-        "after a warm-up invocation on other prompts that is not counted. CUDA graphs on, "
-        "vLLM's defaults otherwise. × upstream = this path's figure / FLASHMLA_SPARSE bf16's "
-        "on the same file and workload (throughput: higher is better; TTFT: lower).",
+        ("Checkpoints: random weights at one tensor-parallel rank's shapes of the real models "
+         "(bench/engine/spec.py), a few layers each: figures are the slice's, not the whole "
+         "model's. Each workload: `vllm bench serve`, random dataset, greedy, EOS ignored, "
+         "after a warm-up invocation on other prompts that is not counted. CUDA graphs on, "
+         "vLLM's defaults otherwise. × upstream = this path's figure / FLASHMLA_SPARSE bf16's "
+         "on the same file and workload (throughput: higher is better; TTFT: lower)."),
         "",
     ]
     files = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "files"]
@@ -128,8 +128,8 @@ def engine_md(run: dict, rows: list[dict]) -> str:
                     seen.add(c)
                     out.append(c)
         out += ["```", ""]
-    out += [f"Rendered by bench/engine/cli.py render from `engine.jsonl`; analysis: "
-            f"[docs/performance.md]({ENGINE_DOC})."]
+    out += [(f"Rendered by bench/engine/cli.py render from `engine.jsonl`; analysis: "
+             f"[docs/performance.md]({ENGINE_DOC}).")]
     return "\n".join(out) + "\n"
 
 

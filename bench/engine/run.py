@@ -22,8 +22,9 @@ from pathlib import Path
 
 from benchdata import BenchData, environment, portable_path, results_dir
 
-from . import parse, record, workloads as wl
+from . import parse, record
 from . import spec as specs
+from . import workloads as wl
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT_SM = REPO / "tests" / "e2e" / "report_sm"
@@ -75,7 +76,7 @@ class Server:
 
     def __init__(self, cmd: list[str], env: dict, log: Path, health: str):
         self.cmd, self.log_path, self.health = cmd, log, health
-        self.log = open(log, "w")
+        self.log = open(log, "w")  # noqa: SIM115 (open while the server runs; stop() closes it)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -93,7 +94,8 @@ class Server:
             except OSError:
                 pass
             time.sleep(2)
-        raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{self.log_path.read_text()[-6000:]}")
+        raise RuntimeError(f"server not ready in {timeout:.0f} s:\n"
+                           f"{self.log_path.read_text()[-6000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -164,7 +166,8 @@ class Runner:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT)
             (rdir / (fname + ".log")).write_text(r.stdout + r.stderr)
             if r.returncode:
-                raise RuntimeError(f"vllm bench serve failed ({w.name}):\n{(r.stdout + r.stderr)[-4000:]}")
+                raise RuntimeError(f"vllm bench serve failed ({w.name}):\n"
+                                   f"{(r.stdout + r.stderr)[-4000:]}")
         result = json.loads((rdir / fname).read_text())
         figures = parse.bench_serve(result, w)
         figures["command"] = _shown(cmd)
@@ -233,8 +236,9 @@ class Runner:
                         break
                     self.bench(w, port, hf, inputs, f"{name}-{gtype}-llama.cpp")
             except Exception as e:  # noqa: BLE001
+                first = str(e).splitlines()[0] if str(e) else ""
                 self.data.notes.append(f"{name} {gtype} llama-server: {type(e).__name__}: "
-                                       f"{str(e).splitlines()[0] if str(e) else ''} (log: {log.name})")
+                                       f"{first} (log: {log.name})")
                 print(f"[bench-engine] FAILED llama-server: {e}", flush=True)
             finally:
                 server.stop()

@@ -76,7 +76,8 @@ _POOL: ThreadPoolExecutor | None = None
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max(1, int(os.environ.get("BENCH_ENGINE_THREADS", os.cpu_count() or 1))))
+        threads = int(os.environ.get("BENCH_ENGINE_THREADS", os.cpu_count() or 1))
+        _POOL = ThreadPoolExecutor(max(1, threads))
     return _POOL
 
 
@@ -90,7 +91,10 @@ def make(spec, t, dtype=torch.bfloat16, rows: slice | None = None) -> torch.Tens
     spec_seed = spec.seed
     n = t.shape[0]
     per = _rows_per_block(t.shape)
-    start, stop = (0, n) if rows is None else (rows.start or 0, n if rows.stop is None else rows.stop)
+    if rows is None:
+        start, stop = 0, n
+    else:
+        start, stop = rows.start or 0, n if rows.stop is None else rows.stop
     blocks = range(start // per, (stop - 1) // per + 1) if stop > start else range(0)
 
     def one(b: int) -> torch.Tensor:

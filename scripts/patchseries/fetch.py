@@ -169,7 +169,8 @@ def _download(url: str, dest: Path) -> None:
             done += len(chunk)
             if total and done * 10 // total != shown:  # a line every 10 %
                 shown = done * 10 // total
-                print(f"  {dest.name[:-5]}: {done >> 20}/{total >> 20} MiB", file=sys.stderr, flush=True)
+                print(f"  {dest.name[:-5]}: {done >> 20}/{total >> 20} MiB", file=sys.stderr,
+                      flush=True)
         if total and done != total:
             raise SeriesError(f"download of {dest.name[:-5]} truncated: {done} of {total} bytes")
 
@@ -196,9 +197,11 @@ def _disagreement(project: str, cached: Path, pinned: str, actual: str,
         lines.append("  the package index lists the pinned sha256: the cached file is damaged; "
                      f"delete {cached} and re-run to download it again")
     else:
-        lines.append(f"  the package index cannot tell which is right ({reason or 'it lists ' + listed_sha})")
-        lines.append("  if vllm-pin.txt was edited by mistake, restore it (`git diff vllm-pin.txt`); "
-                     f"if the file was changed after its download, delete {cached} and re-run")
+        lines.append("  the package index cannot tell which is right "
+                     f"({reason or 'it lists ' + listed_sha})")
+        lines.append("  if vllm-pin.txt was edited by mistake, restore it "
+                     "(`git diff vllm-pin.txt`); if the file was changed after its download, "
+                     f"delete {cached} and re-run")
     return "\n".join(lines)
 
 

@@ -43,9 +43,18 @@ from pathlib import Path
 
 from . import PATCH_DIR, PIN_FILE, REPO_ROOT, SeriesError
 from .fetch import fetch_file
-from .gitrepo import (RELEASE_ENV, UPSTREAM_TAG, am, apply_failures, commit_release,
-                      conflict_markers, export_patches, git, operation_in_progress,
-                      other_refs)
+from .gitrepo import (
+    RELEASE_ENV,
+    UPSTREAM_TAG,
+    am,
+    apply_failures,
+    commit_release,
+    conflict_markers,
+    export_patches,
+    git,
+    operation_in_progress,
+    other_refs,
+)
 from .patchfile import PatchInfo, read_patch, read_series, write_patches
 from .pin import Pin, load_pin, parse_pin, pin_text
 from .release import Target, version_key

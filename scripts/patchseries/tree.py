@@ -28,8 +28,17 @@ from pathlib import Path
 
 from . import PATCH_DIR, WORK_TREE, SeriesError
 from .fetch import fetch_file
-from .gitrepo import (UPSTREAM_TAG, am, apply_failures, commit_release, conflict_markers,
-                      export_patches, git, operation_in_progress, other_refs)
+from .gitrepo import (
+    UPSTREAM_TAG,
+    am,
+    apply_failures,
+    commit_release,
+    conflict_markers,
+    export_patches,
+    git,
+    operation_in_progress,
+    other_refs,
+)
 from .patchfile import read_series, series_digest, write_patches
 from .pin import Pin
 

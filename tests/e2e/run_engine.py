@@ -35,7 +35,7 @@ def _dense(entries, vocab: int):
 
 
 def main() -> None:
-    case = json.loads(open(sys.argv[1]).read())
+    case = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams, TokensPrompt
 
     start = time.monotonic()
@@ -81,7 +81,8 @@ def main() -> None:
         import torch
 
         torch.save(vectors, full_logprobs_path(Path(sys.argv[2])))
-    json.dump(result, open(sys.argv[2], "w"))
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

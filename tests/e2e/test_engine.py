@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cases import HERE, index_topk, model_paths, prompts
 from models import VOCAB
 from oracles import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cases import prompts
 from test_engine import MAX_TOKENS, check_bar, compare
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from cases import HERE
 from record import render
 

@@ -15,6 +15,7 @@ import time
 import pytest
 import requests
 import torch
+
 from cases import HERE, model_paths, prompts
 from oracles import greedy_gaps, transformers_logprobs, transformers_model
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from gguf_checks import GLM52_INDEXER_TYPES
 
 HERE = Path(__file__).resolve().parent

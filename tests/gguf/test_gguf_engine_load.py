@@ -19,8 +19,9 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from gguf_checks import q8_0_bound
 from safetensors.torch import load_file
+
+from gguf_checks import q8_0_bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 from test_sparse_selector import CudaPlatform, _get_class_without_gpu  # noqa: E402

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_checks import run_loader, write_gguf
 from transformers import AutoConfig
+
+from gguf_checks import run_loader, write_gguf
 
 
 def _edit_header(src: Path, dst: Path, old: bytes, new: bytes) -> Path:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
+
 from gguf_checks import run_loader, write_gguf
 
 # Keys the published config.json files carry and the config classes do not

@@ -9,6 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
 from gguf_checks import (
     Loaded,
     assert_matches,
@@ -18,8 +21,6 @@ from gguf_checks import (
     q8_0_bound,
     run_loader,
 )
-from safetensors.torch import load_file
-from transformers import AutoConfig
 
 _DTYPE_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

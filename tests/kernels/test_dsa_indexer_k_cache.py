@@ -19,9 +19,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from vllm.v1.attention.ops import dsa_indexer_k_cache as kc
+
 from support.aot import SM120_MAX_SHARED_BYTES
 from support.indexer_ref import ref_logits
-from vllm.v1.attention.ops import dsa_indexer_k_cache as kc
 
 FP8 = torch.float8_e4m3fn
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import triton
-from support.peers import load_deep_gemm, load_flashmla_sparse
-from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 from vllm.v1.attention.ops.triton_sparse_mla import req_topk_to_slots, sparse_mla_fwd
+
+from support.peers import load_deep_gemm, load_flashmla_sparse
+from support.sparse_mla_ref import ref_sparse_mla
 
 FP8 = torch.float8_e4m3fn
 IDX_HEADS, IDX_DIM = 32, 128  # GLM-5 index_n_heads, index_head_dim

@@ -16,10 +16,11 @@ import os
 import pytest
 import torch
 import triton
+from vllm.v1.attention.ops import triton_dsa_indexer as tdi
+
 from support.aot import SM120_MAX_SHARED_BYTES, dsa_indexer_kernels
 from support.indexer_ref import ref_logits
 from support.peers import load_deep_gemm
-from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

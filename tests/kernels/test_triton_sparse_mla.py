@@ -22,10 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from support.aot import SM90_MAX_SHARED_BYTES, SM120_MAX_SHARED_BYTES
-from support.aot import sparse_mla_configs as all_configs
-from support.peers import load_flashmla_sparse
-from support.sparse_mla_ref import ref_sparse_mla
 from vllm.v1.attention.ops.triton_sparse_mla import (
     SparseMLAConfig,
     auto_config,
@@ -33,6 +29,11 @@ from vllm.v1.attention.ops.triton_sparse_mla import (
     req_topk_to_slots,
     sparse_mla_fwd,
 )
+
+from support.aot import SM90_MAX_SHARED_BYTES, SM120_MAX_SHARED_BYTES
+from support.aot import sparse_mla_configs as all_configs
+from support.peers import load_flashmla_sparse
+from support.sparse_mla_ref import ref_sparse_mla
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
