@@ -6,7 +6,7 @@ export VENV
 # that the target started, and make returns once all of it has exited.
 SUPERVISE = python3 scripts/supervise.py
 
-.PHONY: build-wheel apply patches rebase compat test test-gpu wheelhouse e2e-models bench bench-engine soak clean
+.PHONY: build-wheel apply patches rebase compat lint test test-gpu wheelhouse e2e-models bench bench-engine soak clean
 
 ## build-wheel: dist/vllm-<release>+dsa.sm120.<series>-*.whl (BUILD_MODE=precompiled|source)
 build-wheel:
@@ -29,7 +29,11 @@ rebase:
 compat:
 	$(SUPERVISE) python3 scripts/series.py compat
 
-## test: build and install the wheel into $(VENV), run the CPU test suite
+## lint: ruff check (vLLM's rules, pyproject.toml) with $(VENV)'s ruff (tests/requirements.txt)
+lint:
+	$(SUPERVISE) $(VENV)/bin/python -m ruff check .
+
+## test: build and install the wheel into $(VENV), lint, run the CPU test suite
 test:
 	$(SUPERVISE) scripts/run-tests.sh
 

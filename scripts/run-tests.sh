@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make test`: build and install the wheel into $VENV, then run pytest from
-# the repository root against that installation.
+# `make test`: build and install the wheel into $VENV, lint (ruff check, from
+# $VENV), then run pytest from the repository root against that installation.
 # PYTEST_MARK=gpu runs only the GPU tests (make test-gpu); they need the
 # end-to-end models (make e2e-models, built here when missing).
 # WHEELHOUSE=<dir> installs from a `make wheelhouse` folder with pip
@@ -55,6 +55,12 @@ if [ "${PYTEST_MARK:-}" = gpu ]; then
   export E2E_MODELS=${E2E_MODELS:-build/e2e}
   printf '\n==> end-to-end models (%s)\n' "$E2E_MODELS"
   "$VENV/bin/python" tests/e2e/models.py build "$E2E_MODELS"
+fi
+
+# make test lints too (CI runs make test); make test-gpu does not.
+if [ "${PYTEST_MARK:-}" != gpu ]; then
+  printf '\n==> ruff check\n'
+  "$VENV/bin/python" -m ruff check .
 fi
 
 printf '\n==> pytest\n'

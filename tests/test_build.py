@@ -276,6 +276,20 @@ def test_test_gpu_without_a_gpu_fails_before_anything_runs(fake_repo, gpus):
     else:
         assert result.returncode == 0, result.stderr
         assert "tests/e2e/models.py build" in calls and "-m pytest tests -m gpu" in calls
+        assert "-m ruff" not in calls  # the lint is make test's (CI's), not test-gpu's
+
+
+def test_make_test_lints_after_the_install_before_pytest(fake_repo):
+    """CI runs `make test`: ruff check, from the venv (tests/requirements.txt
+    installs it), runs once the wheel and the requirements are in, before pytest."""
+    result = subprocess.run(["make", "test"], cwd=fake_repo.root, text=True,
+                            env=fake_repo.env(), capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    calls = fake_repo.pip_calls()
+    requirements = calls.index("-m pip install -q -r tests/requirements.txt")
+    lint = calls.index("-m ruff check .")
+    pytest_run = next(i for i, c in enumerate(calls) if c.startswith("-m pytest tests"))
+    assert requirements < lint < pytest_run
 
 
 def test_failed_wheelhouse_leaves_no_half_filled_folder(fake_repo):
