@@ -1,7 +1,8 @@
 """CPU checks of the end-to-end tests' own instruments: the transformers
 oracle rebuilds exactly the checkpoint's model from an F32 GGUF written by
 llama.cpp's converter (every tensor mapped, the MLA k_b/v_b factors and the
-merged experts put back), and the test models are well-conditioned."""
+merged experts put back), the test models are well-conditioned, and their
+indexers' top-k choice is decisive and survives fp8 scores."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+
 from cases import models, prompts
 from oracles import (
     transformers_class,
@@ -134,3 +136,163 @@ def test_manifest_is_checked_against_the_files_it_names(fake_tools, tmp_path):
     (out / "manifest.json").write_text(json.dumps(broken))
     assert models.build(out, types=("f32", "f16")) == manifest
     assert fake_tools == ["glm5", "glm52"]
+
+
+# The decisive top-k (models.py, RECIPE 8): the indexer's choice must matter,
+# and must not hang on rounding. The indexer is re-run here (same math as
+# transformers' GlmMoeDsaIndexer / DeepseekV32Indexer), with its scores
+# recorded, its queries and keys rounded to fp8, or its top-k replaced by a
+# random causal selection.
+
+
+def _fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp8 e4m3 with one scale per row of the last dimension,
+    max|x| / 448 rounded up to a power of two, as vLLM's indexer quantizes
+    its keys (per token) and queries (per token and head)."""
+    amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def _index_scores(ix, hidden_states, q_resid, position_embeddings, fp8: bool) -> torch.Tensor:
+    """The indexer's weighted scores [B, S, T] (before the causal mask)."""
+    import sys
+
+    module = sys.modules[type(ix).__module__]
+    rope = (module.apply_rotary_pos_emb_interleave if type(ix).__name__.startswith("GlmMoeDsa")
+            else module.apply_rotary_pos_emb)
+    b, s, _ = hidden_states.shape
+    split = [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim]
+    q_rot, q_pass = ix.wq_b(q_resid).view(b, s, ix.n_heads, ix.head_dim).split(split, -1)
+    k_rot, k_pass = ix.k_norm(ix.wk(hidden_states)).unsqueeze(2).split(split, -1)
+    q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], -1).float()
+    k = torch.cat([k_rot, k_pass], -1).squeeze(2).float()
+    if fp8:
+        q, k = _fp8_round(q), _fp8_round(k)
+    scores = torch.relu(q @ k.transpose(-1, -2).unsqueeze(1) * ix.softmax_scale)
+    weights = ix.weights_proj(hidden_states).float() * ix.n_heads**-0.5
+    return (weights.unsqueeze(-2) @ scores).squeeze(-2)
+
+
+@torch.no_grad()
+def _dsa_run(model, tokens: list[int], mode: str, scores: list | None = None,
+             attention: list | None = None) -> torch.Tensor:
+    """Teacher-forced log-probabilities with every indexer re-run: mode
+    "fp32" (transformers' own selection), "fp8" (scores from fp8 queries and
+    keys) or "random" (a random causal selection of index_topk keys). scores
+    collects each indexer layer's [S, T] fp32 scores, attention each layer's
+    [heads, S, T] attention weights."""
+    import types
+
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                position_ids=None, past_key_values=None):
+        s = _index_scores(self, hidden_states, q_resid, position_embeddings, mode == "fp8")
+        if scores is not None:
+            scores.append(s[0])
+        if mode == "random":
+            s = torch.rand(s.shape, generator=gen)
+        s = (s.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
+             else s + attention_mask)
+        return s.topk(min(self.index_topk, s.shape[-1]), dim=-1).indices.to(torch.int32)
+
+    indexers = [layer.self_attn.indexer for layer in model.model.layers
+                if layer.self_attn.indexer is not None]
+    hooks = [] if attention is None else [
+        layer.self_attn.register_forward_hook(lambda m, a, out: attention.append(out[1][0]))
+        for layer in model.model.layers]
+    for ix in indexers:
+        ix.forward = types.MethodType(forward, ix)
+    try:
+        return transformers_logprobs(model, tokens)
+    finally:
+        for ix in indexers:
+            del ix.forward
+        for hook in hooks:
+            hook.remove()
+
+
+def _lp_error(lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per position: ||centred lp - centred ref|| / ||centred ref|| (vocab)."""
+    lp, ref = lp - lp.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
+    return (lp - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def dsa_runs(f32_models):
+    """Per model, on the long prompt: the checkpoint in fp32, which of its
+    tokens are salient, the reference log-probabilities, and the runs with
+    recorded scores (fp32, fp8) and attention weights."""
+    out, manifest = f32_models
+    runs = {}
+
+    def get(name: str) -> dict:
+        if name not in runs:
+            hf = out / name / manifest["models"][name]["hf"]
+            model = transformers_class(hf).from_pretrained(
+                hf, dtype=torch.float32, attn_implementation="eager").eval()
+            tokens = prompts()[0]
+            salient = set(models.salient_tokens(models.MODELS[name]))
+            r = {"model": model, "tokens": tokens, "topk": model.config.index_topk,
+                 "salient": torch.tensor([t in salient for t in tokens]),
+                 "ref": transformers_logprobs(model, tokens),
+                 "scores": [], "scores_fp8": [], "attention": []}
+            r["fp32"] = _dsa_run(model, tokens, "fp32", r["scores"], r["attention"])
+            r["fp8"] = _dsa_run(model, tokens, "fp8", r["scores_fp8"])
+            runs[name] = r
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_indexer_scores_salient_keys_far_above_the_rest(dsa_runs, name):
+    """At every position of the long prompt whose context is longer than
+    index_topk, in every indexer layer, the lowest salient key's score is
+    above the highest non-salient key's by at least 30 % of the position's
+    top score: fp8 rounding of queries and keys moves a score by a few
+    percent of the scale at most (3 mantissa bits: 2**-4 relative per element),
+    so it cannot reorder the two groups; and there are fewer salient keys
+    than index_topk, so every one of them is selected. Checked directly too:
+    the largest fp8 score change at a position is under a tenth of its gap."""
+    r = dsa_runs(name)
+    # the re-run indexer is transformers' own
+    assert torch.equal(r["fp32"], r["ref"]), f"{name}: the re-run indexer differs"
+    topk, salient = r["topk"], r["salient"]
+    assert salient.cumsum(0).max() < topk * 0.6, "too many salient tokens in the prompt"
+    worst_gap, worst_ratio = float("inf"), float("inf")
+    for s, s8 in zip(r["scores"], r["scores_fp8"], strict=True):
+        for i in range(topk, len(r["tokens"])):
+            row, m = s[i, : i + 1], salient[: i + 1]
+            gap = row[m].min() - row[~m].max()
+            worst_gap = min(worst_gap, (gap / row.max()).item())
+            worst_ratio = min(worst_ratio, (gap / (s8[i, : i + 1] - row).abs().max()).item())
+    assert worst_gap >= 0.3, f"{name}: salient/non-salient score gap {worst_gap:.3f} of the top"
+    assert worst_ratio >= 10, f"{name}: gap only {worst_ratio:.1f}x the fp8 score change"
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_topk_choice_is_decisive(dsa_runs, name):
+    """The main attention puts most of its weight on the salient keys, so a
+    random causal selection of index_topk keys (about a third of the salient
+    ones, at the end of the long prompt) moves the next-token distributions
+    a lot where top-k is active (the old random recipe: ~0.1)."""
+    r = dsa_runs(name)
+    topk, salient = r["topk"], r["salient"]
+    for layer, w in enumerate(r["attention"]):
+        mass = w[:, topk:, salient].sum(-1).mean().item()
+        assert mass >= 0.9, f"{name} layer {layer}: {mass:.3f} of attention on salient keys"
+    err = _lp_error(_dsa_run(r["model"], r["tokens"], "random"), r["ref"])[topk:]
+    assert err.mean() >= 0.3, f"{name}: random selection moves log-probs by {err.mean():.3f}"
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_topk_choice_survives_fp8_scores(dsa_runs, name):
+    """vLLM's indexer scores fp8 queries and keys: that selection gives the
+    fp32 one's log-probabilities to within 1 % (mean, where top-k is active;
+    the old random recipe: ~0.02, a fifth of a random selection's error)."""
+    r = dsa_runs(name)
+    err = _lp_error(r["fp8"], r["ref"])[r["topk"]:]
+    assert err.mean() < 0.01, f"{name}: fp8 scores move log-probs by {err.mean():.4f}"
