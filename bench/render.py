@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from benchdata import RESULTS, read
+from benchdata import RESULTS, read, repo_state
 from sparse_mla_work import work
 
 DOCS = "../../../docs/performance.md"  # from bench/results/<card>/
@@ -402,10 +402,21 @@ def has_matplotlib() -> bool:
     return True
 
 
+def other_series(run: dict, checked_out: str) -> str | None:
+    """A note when a record was measured on a series other than the one
+    checked out (its figures describe that series, not this one)."""
+    measured = run.get("series") or run.get("env", {}).get("series")
+    if measured and measured != checked_out:
+        return f"measured with series {measured}; the checked-out series is {checked_out}"
+    return None
+
+
 def render_all(root: Path, check: bool, png: bool) -> list[str]:
     """Render (or with ``check`` compare) every card's data under ``root``.
-    Returns the problems found (check) or an empty list."""
+    Returns the problems found (check) or an empty list. Records of another
+    series than the checked-out one are named on stderr."""
     problems = []
+    checked_out = repo_state()["series"]
     sources = sorted(root.glob("*/*.jsonl"))
     if not sources:
         problems.append(f"{root}: no <card>/<bench>.jsonl files")
@@ -415,6 +426,8 @@ def render_all(root: Path, check: bool, png: bool) -> list[str]:
             problems.append(f"{src}: unknown bench {bench!r} (known: {sorted(renderers())})")
             continue
         run, rows = read(src)
+        if note := other_series(run, checked_out):
+            print(f"note: {src}: {note}", file=sys.stderr)
         if run.get("bench") != bench:
             problems.append(f"{src}: run record names bench {run.get('bench')!r}, file {bench!r}")
             continue

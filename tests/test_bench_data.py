@@ -354,3 +354,14 @@ def test_bench_script_parses_its_command_line_on_cpu(script):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "usage:" in r.stdout
+
+
+def test_render_names_records_of_another_series():
+    """A table's figures describe the series they were measured on: the
+    renderer says so when that is not the checked-out one."""
+    import render
+
+    run = {"env": {"series": "0.23.0+dsa.sm120.aaaa"}}
+    note = render.other_series(run, "0.23.0+dsa.sm120.bbbb")
+    assert note and "0.23.0+dsa.sm120.aaaa" in note and "0.23.0+dsa.sm120.bbbb" in note
+    assert render.other_series(run, "0.23.0+dsa.sm120.aaaa") is None
