@@ -5,6 +5,8 @@
   series.py apply                 build vllm-src/ = pinned release + patches/series
   series.py export                write vllm-src/'s commits back to patches/
   series.py version               the wheel version: <release>+dsa.sm120.<series digest>
+  series.py sections              the series by section (area and upstream fate), each
+                                  patch with its Upstream-Status
   series.py jobs                  MAX_JOBS NVCC_THREADS for BUILD_MODE=source
   series.py pin KEY               one value of vllm-pin.txt
   series.py rebase [--write]      carry patches/ onto VLLM_VERSION=<release|newest>, or onto
@@ -27,7 +29,7 @@ from pathlib import Path
 from patchseries import REPO_ROOT, SeriesError, compat, rebase
 from patchseries.fetch import fetch_file
 from patchseries.jobs import jobs_from_environment
-from patchseries.patchfile import read_series, series_digest
+from patchseries.patchfile import format_sections, read_series, series_digest
 from patchseries.pin import load_pin
 from patchseries.release import checkout_target, release_target
 from patchseries.tree import apply_series, export_series
@@ -91,6 +93,8 @@ def main(argv: list[str]) -> int:
         export_series(pin=pin)
     elif command == "version" and not args:
         print(wheel_version(pin, read_series()))
+    elif command == "sections" and not args:
+        print(format_sections())
     elif command == "jobs" and not args:
         print(*jobs_from_environment())
     elif command == "pin" and len(args) == 1 and hasattr(pin, args[0]):

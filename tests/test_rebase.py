@@ -125,6 +125,33 @@ def test_write_regenerates_a_series_that_reproduces_the_rebased_tree(project, tm
     assert not export_series(fresh, patches)
 
 
+@pytest.mark.parametrize(("d_upstream", "expected", "note"), [
+    (False, ["# == ab: a and b (upstream: Pending)", "0001-edit-a.patch", "# == cd: c and d",
+             "0002-add-d.patch"], None),
+    (True, ["# == ab: a and b (upstream: Pending)", "0001-edit-a.patch", "# == cd: c and d"],
+     "patches/series: section `cd` (line 3) lists no patch now; remove that line"),
+], ids=["a-patch-left", "section-emptied"])
+def test_write_keeps_the_section_lines(project, tmp_path, capsys, d_upstream, expected, note):
+    """Obsolete patches leave the series; the section lines stay, and one
+    that no longer lists a patch is named."""
+    up, pin, pin_file, patches = project
+    (patches / "series").write_text(
+        "# == ab: a and b (upstream: Pending)\n0001-edit-a.patch\n0002-edit-b.patch\n"
+        "# == cd: c and d\n0003-edit-c.patch\n0004-add-d.patch\n")
+    edit(up, "b.py", "b = 1\n", "b = 2\n")
+    edit(up, "c.py", "", None)
+    if d_upstream:
+        edit(up, "d.py", None, "d = 1\n")
+    commit(up, "release 2.0")
+    capsys.readouterr()
+    outcome = rb.rebase(target_at(up, "2.0"), pin, patches, tmp_path / "rebase", write=True,
+                        pin_file=pin_file)
+    assert outcome.written
+    assert (patches / "series").read_text() == "".join(f"{line}\n" for line in expected)
+    out = capsys.readouterr().out
+    assert (note in out) if note else "patches/series:" not in out
+
+
 def test_conflict_leaves_patches_and_pin_byte_identical(project, tmp_path):
     up, pin, pin_file, patches = project
     edit(up, "a.py", "line 10\n", "line 10 (changed upstream)\n")

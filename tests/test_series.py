@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from patchseries import SeriesError
 from patchseries import tree as tree_module
 from patchseries.gitrepo import UPSTREAM_TAG, git
-from patchseries.patchfile import read_series
+from patchseries.patchfile import layout_series, read_series, read_series_file, series_digest
 from patchseries.pin import Pin, load_pin
 from patchseries.tree import apply_series, export_series
 
@@ -409,3 +411,124 @@ def test_apply_refuses_to_drop_other_branches_tags_and_stash(fixture_series, tmp
     run_git(tree, "stash", "clear")
     apply_series(pin, tree=tree, patch_dir=patches, src=up)
     assert (tree / "b.py").read_text() == "b = 22\n"
+
+
+# --------------------------------------------------------------------------
+# Sections of patches/series
+# --------------------------------------------------------------------------
+
+def sectioned(one: list[str], two: list[str]) -> str:
+    """A series file with two sections, a comment above and one below."""
+    return "".join(f"{line}\n" for line in [
+        "# the fixture series", "# == one: the first area (upstream: Pending)", *one,
+        "# == two: the second area", *two, "# the end"])
+
+
+FIRST = "0001-first-change.patch  # a note"
+
+
+def amend_content(tree: Path) -> None:
+    commit_change(tree, "b.py", "b = 2\n", "b = 3\n", "fixup! second change")
+    subprocess.run(["git", "-C", str(tree), "rebase", "-q", "-i", "--autosquash", UPSTREAM_TAG],
+                   check=True, capture_output=True, env={**os.environ, "GIT_SEQUENCE_EDITOR": ":"})
+
+
+def reword_second(tree: Path) -> None:
+    run_git(tree, "commit", "-q", "--amend", "-m", "second change reworded\n\n"
+            "Upstream-Status: Pending")
+
+
+def append_third(tree: Path) -> None:
+    commit_change(tree, "a.py", "line 5\n", "line five\n", "third change")
+
+
+def insert_between(tree: Path) -> None:
+    second = run_git(tree, "rev-parse", "HEAD")
+    run_git(tree, "reset", "-q", "--hard", "HEAD~1")
+    commit_change(tree, "a.py", "line 9\n", "line nine\n", "inserted change")
+    run_git(tree, "cherry-pick", second)
+
+
+def insert_first(tree: Path) -> None:
+    head = run_git(tree, "rev-parse", "HEAD")
+    run_git(tree, "reset", "-q", "--hard", UPSTREAM_TAG)
+    commit_change(tree, "a.py", "line 9\n", "line nine\n", "new first change")
+    run_git(tree, "cherry-pick", f"{UPSTREAM_TAG}..{head}")
+
+
+def drop_first(tree: Path) -> None:
+    run_git(tree, "rebase", "-q", "--onto", UPSTREAM_TAG, "HEAD~1")
+
+
+@pytest.mark.parametrize(("change", "one", "two", "note"), [
+    (amend_content, [FIRST], ["0002-second-change.patch"], None),
+    (reword_second, [FIRST], ["0002-second-change-reworded.patch"], None),
+    (append_third, [FIRST], ["0002-second-change.patch", "0003-third-change.patch"],
+     "0003-third-change.patch is new; it is listed in section `two` (that of 0002-second"),
+    (insert_between, [FIRST, "0002-inserted-change.patch"], ["0003-second-change.patch"],
+     "0002-inserted-change.patch is new; it is listed in section `one` (that of 0001-first"),
+    (insert_first, ["0001-new-first-change.patch", "0002-first-change.patch  # a note"],
+     ["0003-second-change.patch"],
+     "0001-new-first-change.patch is new; it is listed in section `one` (the first section)"),
+    (drop_first, [], ["0001-second-change.patch"],
+     "section `one` (line 2) lists no patch now; remove that line"),
+], ids=["amend", "reword", "append", "insert", "insert-first", "drop"])
+def test_export_keeps_the_section_lines(fixture_series, capsys, change, one, two, note):
+    """`make patches` rewrites the list of patches, never the comment and
+    section lines around it; a new patch joins the section of the one before."""
+    up, pin, patches, tree = fixture_series
+    (patches / "series").write_text(sectioned([FIRST], ["0002-second-change.patch"]))
+    change(tree)
+    capsys.readouterr()
+    assert export_series(tree, patches)
+    assert (patches / "series").read_text() == sectioned(one, two)
+    out = capsys.readouterr().out
+    assert (note in out) if note else "patches/series:" not in out
+    assert sorted(p.name for p in patches.iterdir()) == sorted(
+        [*(line.split()[0] for line in one + two), "series"])
+    # The exported series is the applied one: no change on the next export.
+    assert not export_series(tree, patches)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("# == Two: upper case", r"series:3: malformed section line '# == Two: upper case'"),
+    ("# == two words", r"series:3: malformed section line"),
+    ("#==", r"series:3: malformed section line '#=='"),
+    ("# == two", r"series:3: section `two` is opened without a title"),
+    ("# == one: another title", r"series:3: section `one` was opened on line 1 with another"),
+    ("0002-second-change.patch -p1", r"series:3: '0002-second-change.patch -p1' is not one file"),
+], ids=["upper-case", "no-colon", "no-name", "no-title", "two-titles", "quilt-option"])
+def test_a_malformed_series_line_is_named_by_its_number(fixture_series, tmp_path, line, message):
+    up, pin, patches, tree = fixture_series
+    (patches / "series").write_text(f"# == one: the first area\n0001-first-change.patch\n{line}\n"
+                                    "0002-second-change.patch\n")
+    before = snapshot(patches)
+    with pytest.raises(SeriesError, match=message):
+        apply_series(pin, tree=tmp_path / "fresh", patch_dir=patches, src=up)
+    with pytest.raises(SeriesError, match=message):
+        export_series(tree, patches)
+    assert snapshot(patches) == before
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_section_lines_change_neither_the_order_nor_the_version(repo, tmp_path):
+    """patches/series with its section lines lists the patches in the same
+    order as the bare list of names, and the version digest (the patches'
+    names and contents) is the same."""
+    patches = read_series(repo / "patches")
+    assert [p.name[:4] for p in patches] == [f"{i:04d}" for i in range(1, len(patches) + 1)]
+    bare = tmp_path / "patches"
+    bare.mkdir()
+    for p in patches:
+        (bare / p.name).write_bytes(p.read_bytes())
+    (bare / "series").write_text("".join(f"{p.name}\n" for p in patches))
+    assert [p.name for p in read_series(bare)] == [p.name for p in patches]
+    assert series_digest(read_series(bare)) == series_digest(patches)
+    # Rewriting the same patches (what `make patches` does) keeps the file as it is.
+    text = (repo / "patches" / "series").read_text()
+    assert layout_series(read_series_file(repo / "patches"), [p.name for p in patches]) == (
+        text, [])
+    listing = subprocess.run([sys.executable, str(repo / "scripts/series.py"), "sections"],
+                             check=True, capture_output=True, text=True).stdout
+    assert sorted(re.findall(r"^  (\S+\.patch)", listing, re.M)) == [p.name for p in patches]
+

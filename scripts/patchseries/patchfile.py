@@ -1,5 +1,13 @@
 """patches/: the series file, and what a patch file says about itself.
 
+The series file lists one `git format-patch` file a line, in `git am` order;
+`#` starts a comment. A comment line `# == <name>: <title>` opens a section
+(an area and its upstream fate); `# == <name>` alone resumes a section opened
+earlier, since the order is the order the patches apply in and an area's
+patches need not be adjacent. Every patch line belongs to the section last
+opened above it. The tools keep every comment and section line when they
+rewrite the file (`layout_series`).
+
 A patch file is `git format-patch` output. Its commit message carries
 header fields after the what/why text, e.g.
 
@@ -18,6 +26,7 @@ the next field.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -31,17 +40,96 @@ _CRLF_HEADER = re.compile(rb"^(?:From |Subject: |diff --git )[^\n]*\r$", re.M)
 _FIELD = re.compile(r"^([A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*):(?:\s+(.*?))?\s*$")
 
 
-def series_entries(patch_dir: Path = PATCH_DIR) -> list[tuple[int, str]]:
-    """(line number, name) of each entry of patch_dir/series, in order."""
+# `# == <name>: <title>` or `# == <name>`; a comment whose text starts with `==`
+# is a section line, and a malformed one is an error rather than a comment.
+_SECTION_LINE = re.compile(r"\s*#\s*==(.*)")
+_SECTION = re.compile(r"\s*([a-z][a-z0-9-]*)\s*(?::\s*(.*?))?\s*")
+
+
+@dataclass
+class SeriesLine:
+    """One line of a series file."""
+    lineno: int
+    text: str
+    name: str | None = None     # the patch file an entry line lists
+    section: str | None = None  # entry: the section it is in; section line: the one it opens
+    title: str = ""             # section line: its title ("" where it resumes a section)
+
+
+def parse_series(text: str, where: str = "series") -> list[SeriesLine]:
+    """The lines of a series file; SeriesError names the first malformed one."""
+    lines: list[SeriesLine] = []
+    opened: dict[str, tuple[int, str]] = {}  # section -> (line, title) where it was opened
+    section = None
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = SeriesLine(lineno, raw)
+        if m := _SECTION_LINE.fullmatch(raw):
+            if not (s := _SECTION.fullmatch(m.group(1))):
+                raise SeriesError(
+                    f"{where}:{lineno}: malformed section line {raw.strip()!r}; expected "
+                    "`# == <name>: <title>` to open a section or `# == <name>` to resume "
+                    "one (name: lower-case letters, digits and -)")
+            section, title = s.group(1), s.group(2) or ""
+            if (first := opened.get(section)) is None:
+                if not title:
+                    raise SeriesError(
+                        f"{where}:{lineno}: section `{section}` is opened without a title; "
+                        f"write `# == {section}: <its area and upstream fate>`")
+                opened[section] = (lineno, title)
+            elif title and title != first[1]:
+                raise SeriesError(
+                    f"{where}:{lineno}: section `{section}` was opened on line {first[0]} "
+                    f"with another title; resume it with `# == {section}` alone")
+            line.section, line.title = section, title
+        elif name := raw.split("#", 1)[0].strip():
+            if len(name.split()) > 1:
+                raise SeriesError(
+                    f"{where}:{lineno}: {name!r} is not one file name; list one patch file "
+                    "a line (quilt's options, such as -p1, are not supported)")
+            line.name, line.section = name, section
+        lines.append(line)
+    return lines
+
+
+def read_series_file(patch_dir: Path = PATCH_DIR) -> list[SeriesLine]:
+    """The lines of patch_dir/series ([] when there is none)."""
     series = patch_dir / "series"
     if not series.exists():
         return []
-    entries = []
-    for lineno, raw in enumerate(series.read_text().splitlines(), 1):
-        name = raw.split("#", 1)[0].strip()
-        if name:
-            entries.append((lineno, name))
-    return entries
+    return parse_series(series.read_text(), str(series))
+
+
+def series_sections(patch_dir: Path = PATCH_DIR) -> dict[str | None, tuple[str, list[str]]]:
+    """{section: (title, its patches in order)}, sections in the order they are
+    first opened; patches above the first section line are under None."""
+    sections: dict[str | None, tuple[str, list[str]]] = {}
+    for line in read_series_file(patch_dir):
+        if line.title:
+            sections.setdefault(line.section, (line.title, []))
+        elif line.name:
+            sections.setdefault(line.section, ("", []))[1].append(line.name)
+    return sections
+
+
+def format_sections(patch_dir: Path = PATCH_DIR) -> str:
+    """The series grouped by section, each patch with its Upstream-Status: the
+    areas at a glance (the file itself is in `git am` order, where a section
+    may recur)."""
+    read_series(patch_dir)  # every listed patch exists, each once
+    out = []
+    for section, (title, names) in series_sections(patch_dir).items():
+        out.append(f"{section}: {title}" if section else "(in no section)")
+        width = max(map(len, names), default=0)
+        for name in names:
+            status = header_fields((patch_dir / name).read_text()).get("Upstream-Status", ["?"])
+            short = status[0] if len(status[0]) <= 60 else status[0][:57] + "..."
+            out.append(f"  {name:<{width}}  {short}")
+    return "\n".join(out)
+
+
+def series_entries(patch_dir: Path = PATCH_DIR) -> list[tuple[int, str]]:
+    """(line number, name) of each entry of patch_dir/series, in order."""
+    return [(line.lineno, line.name) for line in read_series_file(patch_dir) if line.name]
 
 
 def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
@@ -73,17 +161,20 @@ def read_series(patch_dir: Path = PATCH_DIR) -> list[Path]:
     return patches
 
 
-def write_patches(patch_dir: Path, contents: dict[str, bytes], old: list[Path]) -> None:
+def write_patches(patch_dir: Path, contents: dict[str, bytes], old: list[Path]) -> list[str]:
     """Make patch_dir hold `contents` ({name: bytes}, in series order) and a
-    series file listing them; `old` is the series it held. Every file is
+    series file listing them, with the old series file's comment and section
+    lines kept (`layout_series`); `old` is the series it held. Every file is
     written in full under a temporary name before any is replaced, and old
     patch files are deleted only once the new ones and the series are in
-    place: a failure part-way loses no patch."""
+    place: a failure part-way loses no patch. Returns notes for the user on
+    where new patches went in the series file."""
     patch_dir.mkdir(exist_ok=True)
+    series, notes = layout_series(read_series_file(patch_dir), list(contents))
+    notes = [f"{patch_dir.name}/series: {note}" for note in notes]
     staged: list[tuple[Path, Path]] = []
     try:
-        for name, data in [*contents.items(),
-                           ("series", "".join(f"{n}\n" for n in contents).encode())]:
+        for name, data in [*contents.items(), ("series", series.encode())]:
             tmp = patch_dir / f".{name}.new"
             staged.append((tmp, patch_dir / name))
             tmp.write_bytes(data)
@@ -95,6 +186,87 @@ def write_patches(patch_dir: Path, contents: dict[str, bytes], old: list[Path]) 
     for path in old:
         if path.name not in contents:
             path.unlink(missing_ok=True)
+    return notes
+
+
+def patch_slug(name: str) -> str:
+    """A patch file's name without its number: what stays when patches before
+    it are added or dropped."""
+    return Path(name).name.split("-", 1)[-1]
+
+
+def layout_series(old: list[SeriesLine], names: list[str]) -> tuple[str, list[str]]:
+    """The series file that lists `names`, in this order, with every comment
+    and section line of the `old` file kept above the patch it stood above.
+    Old and new patches are matched by their names without the number
+    (numbers shift when a patch is added or dropped), and a renamed patch
+    (git format-patch names a patch after its subject) by its place between
+    matched ones. The lines above a patch that is gone move down to the next
+    one. A new patch follows the patch before it, so it is in that patch's
+    section; a new first patch is in the first section. Returns (text,
+    notes on where new patches went and on sections left without patches)."""
+    entries = [line for line in old if line.name]
+    above: list[list[str]] = []
+    pending: list[str] = []
+    for line in old:
+        if line.name:
+            above.append(pending)
+            pending = []
+        else:
+            pending.append(line.text)
+    match: dict[int, int] = {}  # index in names -> index in entries
+    matcher = difflib.SequenceMatcher(None, [patch_slug(e.name or "") for e in entries],
+                                      [patch_slug(n) for n in names], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag in ("equal", "replace"):
+            match.update((j1 + k, i1 + k) for k in range(min(i2 - i1, j2 - j1)))
+    out: list[str] = []
+    done = 0  # entries whose lines above are in `out`
+    for j, name in enumerate(names):
+        if (i := match.get(j)) is not None:
+            for k in range(done, i + 1):
+                out += above[k]
+            done = i + 1
+            text = entries[i].text
+            comment = text.find("#")
+            out.append(name + (text[len(text[:comment].rstrip()):] if comment >= 0 else ""))
+        else:
+            if j == 0 and done < len(entries):  # no patch before it: the first section
+                out += above[done]
+                above[done] = []
+            out.append(name)
+    for k in range(done, len(entries)):
+        out += above[k]
+    out += pending
+    text = "".join(f"{line}\n" for line in out)
+    new = parse_series(text)
+    notes = []
+    if any(line.title for line in new):
+        section = {line.name: line.section for line in new if line.name}
+        for j in sorted(set(range(len(names))) - set(match)):
+            where = (f"that of {names[j - 1]}, the patch before it" if j
+                     else "the first section")
+            listed = (f"in section `{section[names[j]]}` ({where})" if section[names[j]]
+                      else "outside any section")
+            notes.append(f"{names[j]} is new; it is listed {listed}. If it belongs to another "
+                         "area, put a `# == <section>` line above it")
+        notes += [f"section `{s}` (line {n}) lists no patch now; remove that line"
+                  for s, n in empty_sections(new)]
+    return text, notes
+
+
+def empty_sections(lines: list[SeriesLine]) -> list[tuple[str, int]]:
+    """(section, line) of each section line with no patch line before the next
+    section line or the end of the file."""
+    empty, current = [], None
+    for line in lines:
+        if line.name:
+            current = None
+        elif line.section:
+            if current:
+                empty.append(current)
+            current = (line.section, line.lineno)
+    return empty + ([current] if current else [])
 
 
 def series_digest(patches: list[Path]) -> str:

@@ -55,7 +55,7 @@ from .gitrepo import (
     operation_in_progress,
     other_refs,
 )
-from .patchfile import PatchInfo, read_patch, read_series, write_patches
+from .patchfile import PatchInfo, patch_slug, read_patch, read_series, write_patches
 from .pin import Pin, load_pin, parse_pin, pin_text
 from .release import Target, version_key
 
@@ -315,12 +315,6 @@ def format_table(results: list[PatchResult]) -> str:
 # vllm-pin.txt and patches/
 # --------------------------------------------------------------------------
 
-def _slug(name: str) -> str:
-    """A patch file's name without its number: what stays when patches before
-    it are dropped."""
-    return name.split("-", 1)[-1]
-
-
 def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
                  pin_file: Path = PIN_FILE, carried: list[str] | None = None) -> list[Path]:
     """Export upstream..HEAD of `work` into patch_dir and write pin_file.
@@ -341,8 +335,8 @@ def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
         new = export_patches(work, Path(tmp))
         contents = {p.name: p.read_bytes() for p in new}
     old = read_series(patch_dir)
-    listed, exported = {p.name for p in old}, {_slug(n) for n in contents}
-    if missing := [n for n in carried or [] if n in listed and _slug(n) not in exported]:
+    listed, exported = {p.name for p in old}, {patch_slug(n) for n in contents}
+    if missing := [n for n in carried or [] if n in listed and patch_slug(n) not in exported]:
         many = len(missing) > 1
         them = "them" if many else "it"
         raise SeriesError(
@@ -359,13 +353,15 @@ def write_series(work: Path, pin: Pin, patch_dir: Path = PATCH_DIR,
     # Ctrl-C waits until patches/ and the pin are consistent.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        write_patches(patch_dir, contents, old)
+        notes = write_patches(patch_dir, contents, old)
         if not unchanged:
             tmp_pin = pin_file.with_name(pin_file.name + ".new")
             tmp_pin.write_text(text)
             tmp_pin.replace(pin_file)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    for note in notes:
+        print(note)
     return [patch_dir / n for n in contents]
 
 

@@ -304,7 +304,9 @@ def _export_series(tree: Path, patch_dir: Path) -> bool:
         if unchanged:
             print("patches/ is up to date")
             return False
-        write_patches(patch_dir, {p.name: p.read_bytes() for p in new}, old)
+        notes = write_patches(patch_dir, {p.name: p.read_bytes() for p in new}, old)
     (tree / ".git" / _STAMP).write_text(series_digest(read_series(patch_dir)) + "\n")
     print(f"exported {len(new)} patches to {patch_dir.name}/")
+    for note in notes:
+        print(note)
     return True
