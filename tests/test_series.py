@@ -532,3 +532,22 @@ def test_section_lines_change_neither_the_order_nor_the_version(repo, tmp_path):
                              check=True, capture_output=True, text=True).stdout
     assert sorted(re.findall(r"^  (\S+\.patch)", listing, re.M)) == [p.name for p in patches]
 
+
+def test_export_warns_of_a_change_outside_its_files_section(fixture_series, capsys):
+    """A new patch that changes a file a patch of another section creates:
+    the export writes it and names patch, file and the section it belongs to."""
+    up, pin, patches, tree = fixture_series
+    (patches / "series").write_text(sectioned([FIRST], ["0002-second-change.patch"]))
+    second = run_git(tree, "rev-parse", "HEAD")
+    run_git(tree, "reset", "-q", "--hard", "HEAD~1")
+    (tree / "n.py").write_text("n = 1\n")
+    run_git(tree, "add", "n.py")
+    run_git(tree, "commit", "-q", "-m", "create n\n\nUpstream-Status: Pending")
+    run_git(tree, "cherry-pick", second)
+    commit_change(tree, "n.py", "n = 1\n", "n = 2\n", "change n")
+    assert export_series(tree, patches)
+    assert (patches / "series").read_text() == sectioned(
+        [FIRST, "0002-create-n.patch"], ["0003-second-change.patch", "0004-change-n.patch"])
+    err = capsys.readouterr().err
+    assert ("warning: 0004-change-n.patch (section `two`) changes n.py, which "
+            "0002-create-n.patch creates in section `one`") in err

@@ -11,6 +11,10 @@ the first. The header rules (see docs/series.md, "Working on the series"):
 - `Collides-If:` is `<path> exists` or `<path> matches <regex>`.
 
 A field may go on over several lines (scripts/patchseries/patchfile.py).
+
+The series rules (docs/series.md, "Sections"): every patch is in a section,
+every section line lists patches, and a patch that changes a file an earlier
+patch of the series creates is in that patch's section.
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from pathlib import Path
 import pytest
 
 from patchseries import SeriesError
-from patchseries.patchfile import header_fields, paths_in_tests_field, read_patch, series_entries
+from patchseries.patchfile import (
+    empty_sections,
+    header_fields,
+    paths_in_tests_field,
+    read_patch,
+    read_series_file,
+    section_rule_violations,
+    series_entries,
+)
 
 STATUS = re.compile(
     r"(?:Pending|Accepted|Denied)(?: \[.+\])?"
@@ -83,6 +95,98 @@ def test_no_patch_file_outside_the_series(repo):
     stray = sorted(f for f in repo_files(repo) if f.endswith(".patch") and f not in listed)
     assert not stray, (f".patch files that patches/series does not list (add them to the "
                        f"series or remove them): {stray}")
+
+
+def test_series_file_parses(repo):
+    try:
+        read_series_file(repo / "patches")
+    except SeriesError as e:
+        pytest.fail(str(e))
+
+
+def test_every_patch_is_in_a_section(repo):
+    outside = [f"series:{line.lineno}: {line.name}" for line in read_series_file(repo / "patches")
+               if line.name and not line.section]
+    assert not outside, ("patches above the first `# == <name>: <title>` line of patches/series; "
+                         f"every patch is in a section: {outside}")
+
+
+def test_every_section_line_lists_patches(repo):
+    empty = [f"series:{n}: `# == {section}`"
+             for section, n in empty_sections(read_series_file(repo / "patches"))]
+    assert not empty, f"section lines of patches/series with no patch under them: {empty}"
+
+
+def test_series_created_files_change_in_their_creators_section(repo):
+    bad = section_rule_violations(repo / "patches")
+    assert not bad, ("a patch changes a file that an earlier patch creates, from another "
+                     "section (docs/series.md, \"Sections\"):\n" + "\n".join(bad))
+
+
+def fake_patch(patches: Path, name: str, created: tuple[str, ...] = (),
+               changed: tuple[str, ...] = (), deleted: tuple[str, ...] = ()) -> None:
+    """A git format-patch file that creates, changes and deletes these files."""
+    diffs = "".join(
+        f"diff --git a/{f} b/{f}\n{mode}index 0000000..1111111\n--- a/{f}\n+++ b/{f}\n"
+        "@@ -0,0 +1 @@\n+x\n"
+        for files, mode in ((created, "new file mode 100644\n"), (changed, ""),
+                            (deleted, "deleted file mode 100644\n"))
+        for f in files)
+    (patches / name).write_text(f"From 0\nSubject: [PATCH] {name}\n\nWhat.\nWhy.\n\n"
+                                f"Upstream-Status: Pending\n---\n{diffs}")
+
+
+@pytest.mark.parametrize(("series", "offender"), [
+    # The creator and the patches that change its file in one section, or in
+    # that section resumed further down: the rule holds.
+    (["# == a: area a", "0001-create.patch", "0002-change.patch", "0003-delete.patch"], None),
+    (["# == a: area a", "0001-create.patch", "# == b: area b", "0004-upstream.patch", "# == a",
+      "0002-change.patch"], None),
+    # An upstream file (no patch creates it) may change in any section.
+    (["# == a: area a", "0001-create.patch", "# == b: area b", "0004-upstream.patch"], None),
+    # A change from another section, or from no section, names patch, file and sections.
+    (["# == a: area a", "0001-create.patch", "# == b: area b", "0002-change.patch"],
+     ("0002-change.patch", "section `b`", "section `a`")),
+    (["# == a: area a", "0001-create.patch", "# == b: area b", "0003-delete.patch"],
+     ("0003-delete.patch", "section `b`", "section `a`")),
+    (["0001-create.patch", "# == a: area a", "0002-change.patch"],
+     ("0002-change.patch", "section `a`", "no section")),
+], ids=["same-section", "resumed-section", "upstream-file", "other-section", "deleted-there",
+        "creator-outside-sections"])
+def test_section_rule(tmp_path, series, offender):
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    fake_patch(patches, "0001-create.patch", created=("pkg/new.py",), changed=("pkg/old.py",))
+    fake_patch(patches, "0002-change.patch", changed=("pkg/new.py", "pkg/old.py"))
+    fake_patch(patches, "0003-delete.patch", deleted=("pkg/new.py",))
+    fake_patch(patches, "0004-upstream.patch", changed=("pkg/old.py",))
+    (patches / "series").write_text("".join(f"{line}\n" for line in series))
+    if offender is None:
+        test_series_created_files_change_in_their_creators_section(tmp_path)
+        return
+    name, ours, theirs = offender
+    message = f"{name} ({ours}) changes pkg/new.py, which 0001-create.patch creates in {theirs}"
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        test_series_created_files_change_in_their_creators_section(tmp_path)
+
+
+@pytest.mark.parametrize(("check", "series", "offender"), [
+    (test_every_patch_is_in_a_section, "0001-create.patch\n# == a: area a\n0002-change.patch\n",
+     "series:1: 0001-create.patch"),
+    (test_every_section_line_lists_patches,
+     "# == a: area a\n# a comment\n# == b: area b\n0001-create.patch\n# == a\n",
+     "series:1: `# == a`', 'series:5: `# == a`"),
+    (test_series_file_parses, "# == a: area a\n0001-create.patch\n# == A: area A\n",
+     "series:3: malformed section line"),
+], ids=["outside-sections", "empty-sections", "malformed"])
+def test_section_checks_find_their_problem(tmp_path, check, series, offender):
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    fake_patch(patches, "0001-create.patch", created=("pkg/new.py",))
+    fake_patch(patches, "0002-change.patch", changed=("pkg/new.py",))
+    (patches / "series").write_text(series)
+    with pytest.raises((AssertionError, pytest.fail.Exception), match=re.escape(offender)):
+        check(tmp_path)
 
 
 # --------------------------------------------------------------------------

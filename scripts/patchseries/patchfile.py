@@ -269,6 +269,30 @@ def empty_sections(lines: list[SeriesLine]) -> list[tuple[str, int]]:
     return empty + ([current] if current else [])
 
 
+def section_rule_violations(patch_dir: Path = PATCH_DIR) -> list[str]:
+    """Where the series breaks the rule of docs/series.md: a patch that changes
+    a file an earlier patch of the series creates is in that patch's section."""
+    section = {line.name: line.section for line in read_series_file(patch_dir) if line.name}
+    creator: dict[str, str] = {}
+    bad = []
+    for name, ours in section.items():
+        path = patch_dir / name
+        if not path.is_file():
+            continue
+        info = read_patch(path)
+        for f in info.modified + info.deleted:
+            if f in creator and (theirs := section[creator[f]]) != ours:
+                fix = (f"move the change into a patch of section `{theirs}`, or put a "
+                       f"`# == {theirs}` line above {name}" if theirs
+                       else "every patch needs a section")
+                bad.append(
+                    f"{name} ({f'section `{ours}`' if ours else 'in no section'}) changes {f}, "
+                    f"which {creator[f]} creates in "
+                    f"{f'section `{theirs}`' if theirs else 'no section'}: {fix}")
+        creator.update((f, name) for f in info.created)
+    return bad
+
+
 def series_digest(patches: list[Path]) -> str:
     """Digest of the series' names and contents: identifies the series."""
     digest = hashlib.sha256()

@@ -39,7 +39,7 @@ from .gitrepo import (
     operation_in_progress,
     other_refs,
 )
-from .patchfile import read_series, series_digest, write_patches
+from .patchfile import read_series, section_rule_violations, series_digest, write_patches
 from .pin import Pin
 
 __all__ = ["UPSTREAM_TAG", "apply_series", "export_series", "read_series", "series_digest"]
@@ -309,4 +309,8 @@ def _export_series(tree: Path, patch_dir: Path) -> bool:
     print(f"exported {len(new)} patches to {patch_dir.name}/")
     for note in notes:
         print(note)
+    # Said now, not only by the lint: a fix exported into the wrong patch is
+    # cheaper to move before it is committed (docs/series.md).
+    for problem in section_rule_violations(patch_dir):
+        print(f"warning: {problem} (docs/series.md)", file=sys.stderr)
     return True
