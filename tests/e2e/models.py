@@ -55,7 +55,7 @@ index_topk = 128 at every position) carries the top-k:
   o_proj has 4x the residual gain: attention moves the output. A random
   selection of index_topk keys (a third of the salient ones at the end of the
   long prompt) moves the next-token log-probabilities by ~50 % (scale-free,
-  as test_engine measures), which non-salient keys fill the remaining slots
+  as judging.py measures), which non-salient keys fill the remaining slots
   barely matters (< 0.1 %);
 - the output head reads each text token's own embedding as a logit of a
   "next" token (a permutation, NEXT_TOKEN): the greedy token follows from

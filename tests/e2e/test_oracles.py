@@ -12,7 +12,8 @@ import subprocess
 import pytest
 import torch
 
-from cases import models, prompts
+import models
+from cases import prompts
 from oracles import (
     transformers_class,
     transformers_logprobs,
@@ -61,7 +62,7 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models):
     """The GLM-5 model's NextN block guesses the target's next-but-one greedy
     token often enough that an MTP run accepts drafts (a random block never
     does, and the path that keeps accepted tokens would go untested): a
-    quarter at least in fp32 (test_engine.MIN_ACCEPTANCE asks 0.15 of the
+    quarter at least in fp32 (judging.MIN_ACCEPTANCE asks 0.15 of the
     engine)."""
     out, manifest = f32_models
     hf = out / "glm5" / manifest["models"]["glm5"]["hf"]
