@@ -27,6 +27,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 CLI=bench/engine/cli.py
+# The prepare stage's commands take the pinned llama.cpp from scripts/ (patchseries).
+PREPARE_PATH="scripts${PYTHONPATH:+:$PYTHONPATH}"
 MODELS=${BENCH_ENGINE_MODELS:-build/bench-engine/models}
 
 quick=0 install=1 llama=1 stage=all results=bench/results
@@ -91,10 +93,10 @@ if [ "$stage" != run ]; then
   mkdir -p build
   if [ "$llama" = 1 ]; then
     # the GGUF builder gets most cores; nvcc jobs are memory-bound, not core-bound
-    "$PY" "$CLI" build-llama-cpp > build/bench-engine-llama-cpp.log 2>&1 &
+    PYTHONPATH=$PREPARE_PATH "$PY" "$CLI" build-llama-cpp > build/bench-engine-llama-cpp.log 2>&1 &
     pids+=($!)
   fi
-  "$PY" "$CLI" build-models "${sel[@]}" --out "$MODELS" &
+  PYTHONPATH=$PREPARE_PATH "$PY" "$CLI" build-models "${sel[@]}" --out "$MODELS" &
   models_pid=$!
   rc=0
   wait "$models_pid" || rc=$?

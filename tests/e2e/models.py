@@ -1,11 +1,10 @@
 """Tiny, well-conditioned DSA checkpoints and their GGUF files, for the
 end-to-end engine tests (tests/e2e/test_engine.py, test_serve.py).
 
-    python tests/e2e/models.py build DIR          # `make e2e-models`
-    python tests/e2e/models.py llama-cpp-wheel DIR  # for `make wheelhouse`
-    python tests/e2e/models.py converter FILE.tar.gz
+    python tests/e2e/models.py build DIR    # `make e2e-models`
 
-builds, in DIR (cached: a model whose recipe is unchanged and whose files are
+(with scripts/ on PYTHONPATH: llama.cpp's converter comes from there) builds,
+in DIR (cached: a model whose recipe is unchanged and whose files are
 what manifest.json says is not rebuilt; a model's folder appears only once
 it is complete):
 
@@ -17,10 +16,11 @@ it is complete):
   the code behind llama-quantize) from the F32 file (Q4_K_M, Q5_K_M, Q6_K);
 - manifest.json: models, files and their tensor types.
 
-llama.cpp's converter comes from the pinned llama-cpp-python sdist (fetched
-and cached like the other downloads) or, on a machine without a package
-index, from E2E_LLAMA_CPP (the converter archive `make wheelhouse` writes);
-the quantizer is the llama_cpp package built from that same sdist.
+llama.cpp's converter comes from the llama-cpp-python sdist of
+llama-cpp-pin.txt (fetched and cached like the other downloads) or, on a
+machine without a package index, from E2E_LLAMA_CPP (the converter archive
+`make wheelhouse` writes); the quantizer is the llama_cpp package built from
+that same sdist (scripts/patchseries/llama_cpp_sdist.py).
 
 Why "well-conditioned": random initialisation at the usual 0.02 gives flat
 logits and sub-layers that barely move the residual stream, so any rounding
@@ -73,7 +73,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,10 +80,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONVERTER = REPO / "tests" / "gguf" / "llama_cpp_convert.py"
-if str(REPO / "tests") not in sys.path:  # run as a script: the test support package
-    sys.path.insert(0, str(REPO / "tests"))
-
-from support.llama_cpp_sdist import extract_converter, sdist  # noqa: E402
 
 # Types written by the converter, then types made by llama.cpp's quantizer.
 CONVERTED = ("f32", "f16", "bf16", "q8_0")
@@ -426,30 +421,11 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 def converter_dir(work: Path) -> Path:
     """llama.cpp's converter: E2E_LLAMA_CPP (an archive of it) or the sdist."""
-    archive = os.environ.get("E2E_LLAMA_CPP")
-    if archive:
-        if not Path(archive).is_file():
-            raise SystemExit(f"E2E_LLAMA_CPP={archive}: no such file")
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        return work / "llama.cpp"
-    return extract_converter(sdist(), work)
+    # Imported here: cases.py (and rejudge.py through it) imports this module
+    # without scripts/ on the path.
+    from patchseries.llama_cpp_sdist import converter_dir
 
-
-def write_converter_archive(dest: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        root = extract_converter(sdist(), Path(tmp))
-        with tarfile.open(dest, "w:gz") as tar:
-            tar.add(root, arcname="llama.cpp")
-
-
-def build_llama_cpp_wheel(dest: Path) -> None:
-    """The llama-cpp-python wheel from the pinned sdist, CPU only and portable
-    (no -march=native), for the oracle and the quantizer on another machine."""
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF "
-               "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(dest),
-                    str(sdist())], env=env, check=True)
+    return converter_dir(work)
 
 
 def _mismatch(entry: dict | None, mdir: Path, recipe: str, types: tuple[str, ...]) -> str:
@@ -546,14 +522,9 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
 
 
 def main() -> None:
-    commands = {
-        "build": lambda arg: build(Path(arg)),
-        "llama-cpp-wheel": lambda arg: build_llama_cpp_wheel(Path(arg)),
-        "converter": lambda arg: write_converter_archive(Path(arg)),
-    }
-    if len(sys.argv) != 3 or sys.argv[1] not in commands:
+    if len(sys.argv) != 3 or sys.argv[1] != "build":
         raise SystemExit(__doc__)
-    commands[sys.argv[1]](sys.argv[2])
+    build(Path(sys.argv[2]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tiny random-weight GLM-5 / DeepSeek checkpoints, converted to GGUF by
-llama.cpp's own converter (from the pinned llama-cpp-python sdist) once per
-test session."""
+llama.cpp's own converter (from the llama-cpp-python sdist of
+llama-cpp-pin.txt) once per test session."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Checkpoint:
 
 @pytest.fixture(scope="session")
 def llama_cpp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from support.llama_cpp_sdist import extract_converter, sdist
+    from patchseries.llama_cpp_sdist import extract_converter, sdist
 
     return extract_converter(sdist(), tmp_path_factory.mktemp("llama_cpp"))
 
