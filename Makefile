@@ -53,7 +53,7 @@ wheelhouse:
 # PYTHONPATH: the folders it imports from besides its own, as pytest's pythonpath
 # (pyproject.toml) has them
 e2e-models:
-	$(SUPERVISE) env PYTHONPATH=scripts$${PYTHONPATH:+:$$PYTHONPATH} \
+	$(SUPERVISE) env PYTHONPATH=scripts:tests$${PYTHONPATH:+:$$PYTHONPATH} \
 	  $(VENV)/bin/python tests/e2e/models.py build $${E2E_MODELS:-build/e2e}
 
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/

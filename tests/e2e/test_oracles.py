@@ -7,7 +7,9 @@ indexers' top-k choice is decisive and survives fp8 scores."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,15 +95,14 @@ def fake_tools(tmp_path, monkeypatch):
         built.append(spec.name)
         (path / "config.json").write_text("{}")
 
-    converter = tmp_path / "convert.py"
-    converter.write_text(
-        "import json, os, sys\n"
-        "fail = os.environ.get('FAIL_CONVERT')\n"
-        "for job in json.load(open(sys.argv[2])):\n"
-        "    open(job['outfile'], 'w').write(job['outtype'])\n"
-        "    if fail and fail in os.path.basename(job['outfile']):\n"
-        "        sys.exit('converter failed')\n")
-    monkeypatch.setattr(models, "CONVERTER", converter)
+    def convert(converter, jobs):
+        fail = os.environ.get("FAIL_CONVERT")
+        for job in json.loads(jobs.read_text()):
+            Path(job["outfile"]).write_text(job["outtype"])
+            if fail and fail in Path(job["outfile"]).name:
+                raise subprocess.CalledProcessError(1, "convert")
+
+    monkeypatch.setattr(models, "convert", convert)
     monkeypatch.setattr(models, "build_checkpoint", checkpoint)
     monkeypatch.setattr(models, "converter_dir", lambda work: work)
     monkeypatch.setattr(models, "quantize", lambda src, dst, q: dst.write_text(q))
