@@ -77,9 +77,13 @@ def convert(spec: specs.Spec, hf: Path, outfile: Path, outtype: str, converter: 
     job = hf.parent / f"convert-{outtype}.json"
     job.write_text(json.dumps({"hf": str(hf), "spec": dataclasses.asdict(spec),
                                "outtype": outtype, "outfile": str(outfile)}))
+    # the converter's llama.cpp dir and gguf-py (before the installed gguf), and
+    # bench/ for the engine package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (
+        str(converter), str(converter / "gguf-py"), str(HERE.parent), env.get("PYTHONPATH")) if p)
     start = time.monotonic()
-    subprocess.run([sys.executable, str(HERE / "convert.py"), str(converter), str(job)],
-                   check=True)
+    subprocess.run([sys.executable, str(HERE / "convert.py"), str(job)], env=env, check=True)
     return time.monotonic() - start
 
 

@@ -6,7 +6,7 @@ llama-cpp-python sdist, scripts/patchseries/llama_cpp_sdist.py), built once per
 machine into a cache folder.
 
 The source comes from LLAMA_CPP_SRC (a folder, or an archive written by
-``cli.py pack-llama-src``: the sdist's llama.cpp without docs, models and
+``bench_engine.py pack-llama-src``: the sdist's llama.cpp without docs, models and
 tests, ~10 MB, for a machine with neither the sdist nor a package index) or
 the sdist (fetched and cached like the release files).
 
