@@ -50,8 +50,11 @@ wheelhouse:
 
 ## e2e-models: the end-to-end tests' tiny GLM-5 / GLM-5.2 / DeepSeek-V3.2 checkpoints and GGUF
 ## files (llama.cpp's converter and quantizer) in E2E_MODELS (default build/e2e)
+# PYTHONPATH: the folders it imports from besides its own, as pytest's pythonpath
+# (pyproject.toml) has them
 e2e-models:
-	$(SUPERVISE) $(VENV)/bin/python tests/e2e/models.py build $${E2E_MODELS:-build/e2e}
+	$(SUPERVISE) env PYTHONPATH=scripts:tests$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(VENV)/bin/python tests/e2e/models.py build $${E2E_MODELS:-build/e2e}
 
 ## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
 bench:

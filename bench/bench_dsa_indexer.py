@@ -16,8 +16,8 @@ GLM-5 indexer shapes: 32 heads x 128 dims, fp8 e4m3 q/k, top-2048, cache
 block size 64. Prefill = chunked causal windows; decode = paged cache with
 shuffled blocks, next_n 1 and 2.
 
-    python bench/bench_dsa_indexer.py --deep-gemm DIR [--skip sweep]
-    python bench/bench_dsa_indexer.py --smoke      # tiny, CPU interpreter, writes nothing
+    PYTHONPATH=tests python bench/bench_dsa_indexer.py --deep-gemm DIR [--skip sweep]
+    PYTHONPATH=tests python bench/bench_dsa_indexer.py --smoke  # tiny, CPU, writes nothing
 """
 
 import argparse
@@ -35,9 +35,9 @@ if SMOKE:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.testing  # noqa: E402
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
 
-import harness  # noqa: E402, F401  (puts tests/ on the path for support)
 from benchdata import BenchData, environment, results_dir  # noqa: E402
 from support.indexer_ref import ref_logits  # noqa: E402
 from support.peers import load_deep_gemm as load_peer_deep_gemm  # noqa: E402

@@ -10,8 +10,8 @@ the tables and the plot with bench/render.py. FlashMLA (SM90/SM100) comes
 from --flashmla-so (the pinned wheel's ``vllm/_flashmla_C.abi3.so``),
 $FLASHMLA_SO or the installed wheel.
 
-    python bench/bench_sparse_mla.py [--flashmla-so PATH] [--sweep]
-    python bench/bench_sparse_mla.py --dtypes bf16 --heads 8 --sq 1 64   # short
+    PYTHONPATH=tests python bench/bench_sparse_mla.py [--flashmla-so PATH] [--sweep]
+    PYTHONPATH=tests python bench/bench_sparse_mla.py --dtypes bf16 --heads 8 --sq 1 64
 
 Times: see bench/harness.py (CUDA-graph replays over rotated inputs, no
 host launch overhead). FLOPs = 2*s_q*h_q*topk*(576+512); gathered bytes =

@@ -3,9 +3,10 @@
 """What the bench scripts share: GPU timing, sparse MLA inputs and the
 measured ceilings. A helper module (imported, never run).
 
-Importing it puts ``tests/`` on ``sys.path``, so the scripts use the test
-support package (``support``: fp64 references, FlashMLA and DeepGEMM
-loaders) that the tests use.
+The scripts that use the test support package (``support``: fp64
+references, FlashMLA and DeepGEMM loaders) as the tests do run with
+``tests/`` on PYTHONPATH (scripts/run-bench.sh sets it; by hand,
+``PYTHONPATH=tests python bench/<script>.py``).
 
 Times: the calls over several input sets (rotated so that one pass gathers
 >= 200 MB) are captured in one CUDA graph and replayed under
@@ -15,19 +16,13 @@ as in vLLM's CUDA-graph decode.
 """
 
 import contextlib
-import sys
-from pathlib import Path
 
-_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+import torch
+import triton
+import triton.testing
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
-from sm120_occupancy import one_cta_per_sm  # noqa: E402
-from sparse_mla_work import D_QK, TOPK  # noqa: E402
+from sm120_occupancy import one_cta_per_sm
+from sparse_mla_work import D_QK, TOPK
 
 SCALE = D_QK**-0.5
 POOL = 262144  # cache rows: 302 MB in bf16, ~6x the H200's L2

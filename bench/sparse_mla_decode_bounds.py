@@ -23,8 +23,8 @@ iteration (one block of rows) the instruction counts of one warp.
 Writes bench/results/<card>/sparse_mla_decode_bounds.jsonl (or under
 --results); bench/render.py renders the tables.
 
-    python bench/sparse_mla_decode_bounds.py [--sass]
-    python bench/sparse_mla_decode_bounds.py --no-timings --card "NVIDIA H200"
+    PYTHONPATH=tests python bench/sparse_mla_decode_bounds.py [--sass]
+    PYTHONPATH=tests python bench/sparse_mla_decode_bounds.py --no-timings --card "NVIDIA H200"
 """
 
 # The lambdas handed to timed() are called before the loop moves on.

@@ -6,7 +6,7 @@
 # <results>/<card>/engine.jsonl, rendered to engine.md next to it.
 #
 #   scripts/run-bench-engine.sh [--quick] [--stage prepare|run|all] [--results DIR]
-#                               [--no-install] [--no-llama-cpp] [-- cli.py run arguments]
+#                               [--no-install] [--no-llama-cpp] [-- bench_engine.py run arguments]
 #     --quick         GLM-5 TP-8 Q4_K_M; single stream 4k, 32 concurrent 2k/512, prefill 16k;
 #                     ours vs upstream vs llama.cpp (~8 min of one H200 for `--stage run`)
 #     --stage         prepare: install, llama.cpp (CUDA) and the GGUF files, in parallel;
@@ -14,19 +14,22 @@
 #     --results DIR   results root instead of bench/results
 #     --no-install    use $VENV as it is
 #     --no-llama-cpp  leave the llama.cpp peer out (no CUDA build)
-#     after --:       more `bench/engine/cli.py run` arguments (--files, --paths,
+#     after --:       more `bench/bench_engine.py run` arguments (--files, --paths,
 #                     --workloads, --budget-s)
 #
 # Environment: WHEELHOUSE=<dir> (install from `make wheelhouse` output with pip --no-index,
 # as make test-gpu does; WHEELHOUSE_NO_DEPS=1 likewise), LLAMA_CPP_SRC=<dir or archive of
-# `bench/engine/cli.py pack-llama-src`> (else the pinned sdist), E2E_LLAMA_CPP=<converter
+# `PYTHONPATH=scripts bench/bench_engine.py pack-llama-src`> (else the pinned sdist),
+# E2E_LLAMA_CPP=<converter
 # archive> (else from the sdist; defaults to the wheelhouse's), BENCH_ENGINE_MODELS (default
 # build/bench-engine/models).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
-CLI=bench/engine/cli.py
+CLI=bench/bench_engine.py
+# The prepare stage's commands take the pinned llama.cpp from scripts/ (patchseries).
+PREPARE_PATH="scripts${PYTHONPATH:+:$PYTHONPATH}"
 MODELS=${BENCH_ENGINE_MODELS:-build/bench-engine/models}
 
 quick=0 install=1 llama=1 stage=all results=bench/results
@@ -91,10 +94,10 @@ if [ "$stage" != run ]; then
   mkdir -p build
   if [ "$llama" = 1 ]; then
     # the GGUF builder gets most cores; nvcc jobs are memory-bound, not core-bound
-    "$PY" "$CLI" build-llama-cpp > build/bench-engine-llama-cpp.log 2>&1 &
+    PYTHONPATH=$PREPARE_PATH "$PY" "$CLI" build-llama-cpp > build/bench-engine-llama-cpp.log 2>&1 &
     pids+=($!)
   fi
-  "$PY" "$CLI" build-models "${sel[@]}" --out "$MODELS" &
+  PYTHONPATH=$PREPARE_PATH "$PY" "$CLI" build-models "${sel[@]}" --out "$MODELS" &
   models_pid=$!
   rc=0
   wait "$models_pid" || rc=$?
@@ -112,7 +115,7 @@ if [ "$stage" != prepare ]; then
     if [ "$quick" = 1 ]; then paths=(--paths triton-fp16,flashmla-bf16)
     else paths=(--paths triton-fp16,auto-sm120,flashmla-bf16); fi
   fi
-  step "run (bench/engine/cli.py run)"
+  step "run (bench/bench_engine.py run)"
   rc=0
   quick_arg=()
   [ "$quick" = 1 ] && quick_arg=(--quick)

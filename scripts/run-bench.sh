@@ -32,6 +32,9 @@ if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/de
   exit 1
 fi
 
+# The benches use the test support package (tests/support: references, peer loaders).
+export PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}"
+
 mla_args=() dsa_args=()
 if [ "$quick" = 1 ]; then
   mla_args=(--dtypes bf16 --heads 8 64 --sq 1 64)

@@ -54,7 +54,9 @@ if [ "${PYTEST_MARK:-}" = gpu ]; then
   [ -n "$gpu_checked" ] || check_gpu
   export E2E_MODELS=${E2E_MODELS:-build/e2e}
   printf '\n==> end-to-end models (%s)\n' "$E2E_MODELS"
-  "$VENV/bin/python" tests/e2e/models.py build "$E2E_MODELS"
+  # the folders it imports from besides its own, as pytest's pythonpath (pyproject.toml) has them
+  PYTHONPATH="scripts:tests${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" tests/e2e/models.py \
+    build "$E2E_MODELS"
 fi
 
 # make test lints too (CI runs make test); make test-gpu does not.

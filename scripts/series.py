@@ -17,6 +17,11 @@
   series.py rebase --finish       after resolving conflicts in vllm-rebase/ by hand
                                   (git am --continue): write patches/ and vllm-pin.txt
   series.py compat [VERSION...]   docs/compatibility.md: the series on each release
+  series.py llama-cpp wheel DIR   the llama-cpp-python wheel from llama-cpp-pin.txt's sdist
+                                  (CPU build, portable), into DIR (make wheelhouse)
+  series.py llama-cpp converter FILE
+                                  llama.cpp's converter from that sdist, as the archive
+                                  FILE (.tar.gz) that E2E_LLAMA_CPP takes (make wheelhouse)
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import signal
 import sys
 from pathlib import Path
 
-from patchseries import REPO_ROOT, SeriesError, compat, rebase
+from patchseries import REPO_ROOT, SeriesError, compat, llama_cpp_sdist, rebase
 from patchseries.fetch import fetch_file
 from patchseries.jobs import jobs_from_environment
 from patchseries.patchfile import format_sections, read_series, series_digest
@@ -105,6 +110,10 @@ def main(argv: list[str]) -> int:
     elif command == "rebase" and args in ([], ["--write"]):
         write = bool(args) or os.environ.get("WRITE", "") in ("1", "yes", "true")
         return rebase_command(pin, write)
+    elif command == "llama-cpp" and len(args) == 2 and args[0] == "wheel":
+        llama_cpp_sdist.build_wheel(Path(args[1]))
+    elif command == "llama-cpp" and len(args) == 2 and args[0] == "converter":
+        llama_cpp_sdist.write_converter_archive(Path(args[1]))
     elif command == "compat":
         compat.compat(args or None)
         print(f"wrote {compat.COMPAT_DOC.relative_to(REPO_ROOT)}")

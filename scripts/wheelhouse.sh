@@ -11,8 +11,8 @@
 #
 # Contents: the series' wheel (make build-wheel), its requirements and
 # tests/requirements.txt resolved by pip for the target, the llama-cpp-python
-# wheel (tests/requirements-gpu.txt) built from the pinned sdist (CPU build: the
-# tests' llama.cpp oracle and quantizer) and llama.cpp's converter
+# wheel (tests/requirements-gpu.txt) built from the sdist of llama-cpp-pin.txt
+# (CPU build: the tests' llama.cpp oracle and quantizer) and llama.cpp's converter
 # (llama.cpp-converter.tar.gz, for `make e2e-models`). Copy the folder in as
 # many parts as you like; nothing in it is machine-specific but the platform.
 set -euo pipefail
@@ -53,8 +53,8 @@ python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
   "$wheel" -r tests/requirements.txt
 
 step "llama-cpp-python from the pinned sdist (CPU build, portable)"
-python3 tests/e2e/models.py llama-cpp-wheel "$tmp"
-python3 tests/e2e/models.py converter "$tmp/llama.cpp-converter.tar.gz"
+python3 scripts/series.py llama-cpp wheel "$tmp"
+python3 scripts/series.py llama-cpp converter "$tmp/llama.cpp-converter.tar.gz"
 ( cd "$tmp" && ls -1 > MANIFEST.txt )
 rm -rf "$OUT"
 mv "$tmp" "$OUT"

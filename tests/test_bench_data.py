@@ -27,6 +27,9 @@ from benchdata import BenchData, card_slug, read, results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
+# How scripts/run-bench.sh runs the bench scripts: the test support package on the path.
+BENCH_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p))
 
 RENDER = [sys.executable, str(BENCH / "render.py")]
 
@@ -292,7 +295,7 @@ def test_fake_paths_and_bounds_render(tmp_path):
 def test_dsa_indexer_smoke_writes_data_that_renders(tmp_path):
     """The indexer bench end to end on CPU (Triton interpreter, tiny
     shapes): its checks and its timing rows (no timings on CPU: NaN)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(BENCH_ENV, TRITON_INTERPRET="1")
     r = subprocess.run(
         [sys.executable, str(BENCH / "bench_dsa_indexer.py"), "--smoke",
          "--skip", "sweep,decode_checks", "--results", str(tmp_path)],
@@ -350,7 +353,7 @@ def test_a_bench_file_is_a_script_or_a_module_not_both():
 def test_bench_script_parses_its_command_line_on_cpu(script):
     r = subprocess.run(
         [sys.executable, str(BENCH / script), "--help"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=BENCH_ENV,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "usage:" in r.stdout

@@ -40,7 +40,7 @@ FAKE_ENV = {
     "date_utc": "2026-12-02 10:00", "card": "NVIDIA H200", "sms": 132, "capability": "9.0",
     "driver": "580.1", "torch": "2.11.0", "triton": "3.6.0",
     "series": "0.23.0+dsa.sm120.abcdef12", "commit": "0123456789ab",
-    "command": "bench/engine/cli.py run --quick", "quick": True,
+    "command": "bench/bench_engine.py run --quick", "quick": True,
 }
 
 
@@ -537,7 +537,7 @@ def test_record_reads_back_and_renders(tmp_path):
     assert record.render(tmp_path) == []
     md = (path.parent / "engine.md").read_text()
     assert "Series 0.23.0+dsa.sm120.abcdef12, repo commit 0123456789ab." in md
-    assert "Command: `bench/engine/cli.py run --quick`." in md and "**Quick run**" in md
+    assert "Command: `bench/bench_engine.py run --quick`." in md and "**Quick run**" in md
     assert ("| glm5-tp8 | q4_k_m | 3.60 | 5,900,000,000 | F32 40, Q4_K 30, Q6_K 5 | 1.31 | "
             "140 |") in md
     assert ("| glm5-tp8 q4_k_m | triton-fp16 | TRITON_MLA_SPARSE | triton | 3.52 | 118.75 | "
@@ -570,7 +570,7 @@ def test_render_machinery_shape():
 
 
 def test_cli_help_and_plan():
-    cli = [sys.executable, str(BENCH / "engine" / "cli.py")]
+    cli = [sys.executable, str(BENCH / "bench_engine.py")]
     r = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "build-models" in r.stdout
     r = subprocess.run([*cli, "plan", "--quick"], capture_output=True, text=True, timeout=120)

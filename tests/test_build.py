@@ -17,9 +17,9 @@ import pytest
 
 VERSION = "0.23.0+dsa.sm120.test"
 
+# The real patchseries package comes from PYTHONPATH (FakeRepo.env).
 FAKE_SERIES = """\
 import os, subprocess, sys
-sys.path.insert(0, os.environ["REAL_SCRIPTS"])
 from patchseries import SeriesError
 from patchseries.jobs import jobs_from_environment
 
@@ -103,7 +103,7 @@ class FakeRepo:
                if k not in ("MAX_JOBS", "NVCC_THREADS", "BUILD_MODE", "FORCE", "VLLM_SRC")}
         env.update(PATH=str(self.bin), VENV=str(self.root / "venv"), FAKE_LOG=str(self.log),
                    FAKE_PIDS=str(self.pids), FAKE_PIP="ok",
-                   REAL_SCRIPTS=str(Path(__file__).resolve().parents[1] / "scripts"),
+                   PYTHONPATH=str(Path(__file__).resolve().parents[1] / "scripts"),
                    GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@localhost.invalid",
                    GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@localhost.invalid")
         env.update(extra)

@@ -1,9 +1,9 @@
-"""vllm-pin.txt: the one reader every script uses."""
+"""vllm-pin.txt and llama-cpp-pin.txt: the one reader every script uses."""
 
 import pytest
 
-from patchseries import SeriesError
-from patchseries.pin import load_pin, parse_pin
+from patchseries import REPO_ROOT, SeriesError
+from patchseries.pin import load_llama_cpp_pin, load_pin, parse_llama_cpp_pin, parse_pin
 
 GOOD = """\
 # comment
@@ -54,3 +54,37 @@ def test_non_utf8_pin_file_names_file_and_line(tmp_path):
     with pytest.raises(SeriesError,
                        match=r"vllm-pin.txt:8: not UTF-8 text \(byte 0xa7 at column 16\)"):
         load_pin(pin)
+
+
+LLAMA_CPP = """\
+version = 0.3.36
+sdist = llama_cpp_python-0.3.36.tar.gz
+sdist_sha256 = {sha}
+"""
+
+
+def test_llama_cpp_pin_parses_every_key():
+    pin = parse_llama_cpp_pin(LLAMA_CPP.format(sha=SHA))
+    assert (pin.version, pin.sdist, pin.sdist_sha256) == (
+        "0.3.36", "llama_cpp_python-0.3.36.tar.gz", SHA)
+
+
+@pytest.mark.parametrize("text, message", [
+    (LLAMA_CPP.format(sha=SHA).replace("version = 0.3.36\n", ""), "missing version"),
+    (LLAMA_CPP.format(sha=SHA) + "wheel = x.whl\n", "unknown key 'wheel'"),
+    (LLAMA_CPP.format(sha="XYZ"), "sdist_sha256 is not 64 lowercase hex"),
+    (LLAMA_CPP.format(sha=SHA).replace("version = 0.3.36", "version = 0.3.37"),
+     "is not llama_cpp_python-0.3.37.tar.gz"),
+], ids=["missing-key", "unknown-key", "bad-sha256", "sdist-of-another-version"])
+def test_llama_cpp_pin_rejects_malformed(text, message):
+    with pytest.raises(SeriesError, match=message):
+        parse_llama_cpp_pin(text, "llama-cpp-pin.txt")
+
+
+def test_repository_llama_cpp_pin_is_the_version_the_gpu_tests_install():
+    """tests/requirements-gpu.txt installs llama-cpp-python by version (the
+    quantizer and the oracle); the converter comes from the pinned sdist:
+    one llama.cpp for both."""
+    pin = load_llama_cpp_pin()
+    requirements = (REPO_ROOT / "tests" / "requirements-gpu.txt").read_text()
+    assert f"llama-cpp-python=={pin.version}\n" in requirements

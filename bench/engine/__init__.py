@@ -5,7 +5,8 @@ driven by `vllm bench serve`, on GGUF files of the real models' width, with
 upstream's sparse path and llama.cpp on the same files as peers in the same
 run.
 
-Modules (imported with ``bench/`` on ``sys.path``, as ``engine.<module>``):
+Its command line is bench/bench_engine.py. Modules (imported with ``bench/``
+on ``sys.path``, as ``engine.<module>``):
 
 - ``spec``: the benchmark checkpoints (one GPU's share of GLM-5, GLM-5.2,
   DeepSeek-V3.2 under tensor parallelism, and a full-width GLM-5 slice), their
@@ -23,5 +24,5 @@ Modules (imported with ``bench/`` on ``sys.path``, as ``engine.<module>``):
 - ``parse``: `vllm bench serve` results, vLLM's start-up log, llama-bench.
 - ``record``: the JSONL record (bench/benchdata.py) and engine.md.
 - ``llamacpp``: llama.cpp with CUDA, built once per machine.
-- ``run``: the GPU driver. ``cli``: the command line.
+- ``run``: the GPU driver.
 """

@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,7 +38,6 @@ from . import spec as specs
 from . import vocab
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 RECIPE = 1  # bump when the tensors or the vocabulary change
 
 
@@ -69,28 +67,23 @@ def write_hf(spec: specs.Spec, path: Path) -> None:
 
 def converter_dir(work: Path) -> Path:
     """llama.cpp's converter: E2E_LLAMA_CPP (the archive `make wheelhouse`
-    writes) or the pinned llama-cpp-python sdist (tests/support)."""
-    archive = os.environ.get("E2E_LLAMA_CPP")
-    if archive:
-        if not Path(archive).is_file():
-            raise SystemExit(f"E2E_LLAMA_CPP={archive}: no such file")
-        if not (work / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
-            with tarfile.open(archive) as tar:
-                tar.extractall(work, filter="data")
-        return work / "llama.cpp"
-    sys.path.insert(0, str(REPO / "tests"))
-    from support.llama_cpp_sdist import extract_converter, sdist
+    writes) or the pinned llama-cpp-python sdist (scripts/patchseries)."""
+    from patchseries.llama_cpp_sdist import converter_dir
 
-    return extract_converter(sdist(), work)
+    return converter_dir(work)
 
 
 def convert(spec: specs.Spec, hf: Path, outfile: Path, outtype: str, converter: Path) -> float:
     job = hf.parent / f"convert-{outtype}.json"
     job.write_text(json.dumps({"hf": str(hf), "spec": dataclasses.asdict(spec),
                                "outtype": outtype, "outfile": str(outfile)}))
+    # the converter's llama.cpp dir and gguf-py (before the installed gguf), and
+    # bench/ for the engine package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (
+        str(converter), str(converter / "gguf-py"), str(HERE.parent), env.get("PYTHONPATH")) if p)
     start = time.monotonic()
-    subprocess.run([sys.executable, str(HERE / "convert.py"), str(converter), str(job)],
-                   check=True)
+    subprocess.run([sys.executable, str(HERE / "convert.py"), str(job)], env=env, check=True)
     return time.monotonic() - start
 
 

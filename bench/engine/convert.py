@@ -3,13 +3,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """llama.cpp's own converter on a benchmark checkpoint, its tensors streamed.
 
-    python bench/engine/convert.py <llama.cpp dir> <job.json>
+    PYTHONPATH=<llama.cpp dir>:<llama.cpp dir>/gguf-py:bench \
+        python bench/engine/convert.py <job.json>      # build.convert() runs it
 
 job.json: {"hf": HF dir (config.json), "spec": spec fields, "outtype":
 "f16"|"bf16"|"f32"|"q8_0", "outfile": path}.
 
 Run as its own process so that the converter's bundled gguf-py never meets
-the gguf package vLLM imports (as tests/gguf/llama_cpp_convert.py does).
+the gguf package vLLM imports (as tests/support/llama_cpp_convert.py does);
+the converter's folders come first on its path, before the installed gguf.
 Two steps of the converter are replaced, nothing else: where tensors come
 from (the seeded random tensors of engine.weights, handed over lazily, one
 at a time, instead of safetensors files: a full-width file never exists in
@@ -23,15 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
-    vendor = Path(sys.argv[1])
-    job = json.loads(Path(sys.argv[2]).read_text())
-    sys.path.insert(0, str(vendor / "gguf-py"))
-    sys.path.insert(0, str(vendor))
-    sys.path.insert(0, str(BENCH))
+    job = json.loads(Path(sys.argv[1]).read_text())
     import gguf
     import torch
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class

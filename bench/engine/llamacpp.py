@@ -2,11 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """llama.cpp with CUDA for the GPU at hand: llama-server and llama-bench
 from the pinned source (the llama.cpp vendored in the pinned
-llama-cpp-python sdist, tests/support/llama_cpp_sdist.py), built once per
+llama-cpp-python sdist, scripts/patchseries/llama_cpp_sdist.py), built once per
 machine into a cache folder.
 
 The source comes from LLAMA_CPP_SRC (a folder, or an archive written by
-``cli.py pack-llama-src``: the sdist's llama.cpp without docs, models and
+``bench_engine.py pack-llama-src``: the sdist's llama.cpp without docs, models and
 tests, ~10 MB, for a machine with neither the sdist nor a package index) or
 the sdist (fetched and cached like the release files).
 
@@ -22,11 +22,9 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 TARGETS = ("llama-server", "llama-bench")
 # Parts of the vendored llama.cpp a CUDA build of the tools does not read.
 _SKIP = ("docs/", "models/", "media/", "benches/", "tests/", "examples/", "tools/ui/tests/",
@@ -39,8 +37,7 @@ def _keep(rel: str) -> bool:
 
 def pack_source(dest: Path) -> Path:
     """A trimmed archive of the pinned llama.cpp source (for LLAMA_CPP_SRC)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from support.llama_cpp_sdist import sdist
+    from patchseries.llama_cpp_sdist import sdist
 
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +72,7 @@ def source_dir(cache: Path) -> Path:
             tar.extractall(tmp, filter="data")
         root = tmp / "llama.cpp"
     else:
-        sys.path.insert(0, str(REPO / "tests"))
-        from support.llama_cpp_sdist import sdist
+        from patchseries.llama_cpp_sdist import sdist
 
         with tarfile.open(sdist()) as tar:
             members = []

@@ -128,7 +128,7 @@ def engine_md(run: dict, rows: list[dict]) -> str:
                     seen.add(c)
                     out.append(c)
         out += ["```", ""]
-    out += [(f"Rendered by bench/engine/cli.py render from `engine.jsonl`; analysis: "
+    out += [(f"Rendered by bench/bench_engine.py render from `engine.jsonl`; analysis: "
              f"[docs/performance.md]({ENGINE_DOC}).")]
     return "\n".join(out) + "\n"
 

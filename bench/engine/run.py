@@ -269,7 +269,7 @@ class Runner:
             info_path = models / name / "build.json"
             if not info_path.is_file():
                 raise SystemExit(f"{info_path}: missing; build the files first "
-                                 f"(cli.py build-models)")
+                                 f"(bench_engine.py build-models)")
             info = json.loads(info_path.read_text())
             if gtype not in info["files"]:
                 raise SystemExit(f"{name}: no {gtype} file in {info_path}; build it first")

@@ -1,4 +1,5 @@
-"""Reader of vllm-pin.txt: `key = value` lines, `#` comments."""
+"""Readers of the pin files, vllm-pin.txt and llama-cpp-pin.txt: `key = value`
+lines, `#` comments."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import PIN_FILE, SeriesError
+from . import LLAMA_CPP_PIN_FILE, PIN_FILE, SeriesError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
@@ -23,7 +24,15 @@ class Pin:
     torch: str
 
 
-def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
+@dataclass(frozen=True)
+class LlamaCppPin:
+    version: str
+    sdist: str
+    sdist_sha256: str
+
+
+def _key_values(text: str, source: str, keys: dict) -> dict[str, str]:
+    """Every key of `keys` (a dataclass's fields) once, nothing else."""
     values: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -32,14 +41,19 @@ def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
         key, sep, value = (part.strip() for part in line.partition("="))
         if not sep or not key or not value:
             raise SeriesError(f"{source}:{lineno}: expected 'key = value', got {raw!r}")
-        if key not in Pin.__dataclass_fields__:
+        if key not in keys:
             raise SeriesError(f"{source}:{lineno}: unknown key {key!r}")
         if key in values:
             raise SeriesError(f"{source}:{lineno}: {key!r} given twice")
         values[key] = value
-    missing = [k for k in Pin.__dataclass_fields__ if k not in values]
+    missing = [k for k in keys if k not in values]
     if missing:
         raise SeriesError(f"{source}: missing {', '.join(missing)}")
+    return values
+
+
+def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
+    values = _key_values(text, source, Pin.__dataclass_fields__)
     for key in ("sdist_sha256", "wheel_sha256"):
         if not _SHA256.match(values[key]):
             raise SeriesError(f"{source}: {key} is not 64 lowercase hex digits")
@@ -52,7 +66,25 @@ def parse_pin(text: str, source: str = "vllm-pin.txt") -> Pin:
     return Pin(**values)
 
 
+def parse_llama_cpp_pin(text: str, source: str = "llama-cpp-pin.txt") -> LlamaCppPin:
+    values = _key_values(text, source, LlamaCppPin.__dataclass_fields__)
+    if not _SHA256.match(values["sdist_sha256"]):
+        raise SeriesError(f"{source}: sdist_sha256 is not 64 lowercase hex digits")
+    if values["sdist"] != f"llama_cpp_python-{values['version']}.tar.gz":
+        raise SeriesError(f"{source}: sdist {values['sdist']} is not "
+                          f"llama_cpp_python-{values['version']}.tar.gz")
+    return LlamaCppPin(**values)
+
+
 def load_pin(path: Path = PIN_FILE) -> Pin:
+    return parse_pin(_read(path), path.name)
+
+
+def load_llama_cpp_pin(path: Path = LLAMA_CPP_PIN_FILE) -> LlamaCppPin:
+    return parse_llama_cpp_pin(_read(path), path.name)
+
+
+def _read(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -64,7 +96,7 @@ def load_pin(path: Path = PIN_FILE) -> Pin:
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         raise SeriesError(f"{path.name}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
                           f"column {column}); save {path} as UTF-8") from None
-    return parse_pin(text, path.name)
+    return text
 
 
 def pin_text(pin: Pin) -> str:

@@ -7,9 +7,6 @@ selector entry point (`get_attn_backend`) with `get_device_capability`
 patched, as vLLM's tests/kernels/attention/test_attention_selector.py does.
 """
 
-import importlib
-import sys
-import types
 from unittest.mock import patch
 
 import pytest
@@ -24,33 +21,7 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import _cached_get_attn_backend, get_attn_backend
 
-
-def _import_cuda_platform():
-    """vllm.platforms.cuda imports the compiled extensions for their op
-    registrations only; without a CUDA driver they cannot load, and selection
-    needs none of their ops, so stand-ins are used there."""
-    try:
-        return importlib.import_module("vllm.platforms.cuda")
-    except ImportError:
-        pass
-    stubs = []
-    for name in ("vllm._C", "vllm._C_stable_libtorch"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            sys.modules[name] = types.ModuleType(name)
-            stubs.append(name)
-    sys.modules.pop("vllm.platforms.cuda", None)
-    try:
-        return importlib.import_module("vllm.platforms.cuda")
-    finally:
-        # Other tests of the session must still see the extensions missing.
-        for name in stubs:
-            del sys.modules[name]
-
-
-cuda_platform_mod = _import_cuda_platform()
-CudaPlatform = cuda_platform_mod.CudaPlatform
+from support.cuda_without_gpu import CudaPlatform, cuda_platform_mod, get_class_without_gpu
 
 MLA_HEAD_SIZE = 576  # kv_lora_rank 512 + rope 64
 
@@ -62,23 +33,10 @@ def _clear_selector_cache():
     _cached_get_attn_backend.cache_clear()
 
 
-_original_get_class = AttentionBackendEnum.get_class
-
-
-def _get_class_without_gpu(self):
-    # Some backend modules allocate CUDA buffers at import time (e.g.
-    # flashinfer_mla). Without a GPU that raises RuntimeError; the selector
-    # then treats the backend as not importable, as it does for ImportError.
-    try:
-        return _original_get_class(self)
-    except RuntimeError as e:
-        raise ImportError(str(e)) from e
-
-
 @pytest.fixture(autouse=True)
 def _backends_importable_without_gpu(monkeypatch):
     if not torch.cuda.is_available():
-        monkeypatch.setattr(AttentionBackendEnum, "get_class", _get_class_without_gpu)
+        monkeypatch.setattr(AttentionBackendEnum, "get_class", get_class_without_gpu)
 
 
 def _select(

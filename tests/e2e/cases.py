@@ -1,4 +1,6 @@
-"""What the end-to-end tests share: where the models are, the prompts."""
+"""The end-to-end engine cases: which engine setups run on which model files
+(GROUPS, as CASES), and what every case shares: where the models are, the
+prompts and how many tokens each generates."""
 
 from __future__ import annotations
 
@@ -6,9 +8,43 @@ import os
 from pathlib import Path
 
 import models
+from setups import (
+    AUTO_SM120,
+    PEER,
+    TRITON_BF16,
+    TRITON_FP16,
+    TRITON_FP16_EAGER,
+    TRITON_FP16_MTP,
+    TRITON_FP16_TP2,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+
+MAX_TOKENS = 24
+
+# (model, GGUF type) -> the series' setups run on it; upstream's peer runs on
+# every one of them.
+GROUPS = {
+    ("glm5", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_MTP],
+    ("glm5", "bf16"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "q8_0"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "q4_k_m"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
+    ("glm5", "q5_k_m"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "q6_k"): [TRITON_FP16, TRITON_BF16],
+    # GLM-5.2's greedy tokens on triton-fp16 missed fp32's by up to 0.53 nats
+    # on 2026-11-30 and 12-01 (docs/e2e.md): bf16 and eager tell the dtype,
+    # the kernels and CUDA graphs apart
+    ("glm52", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER],
+    ("glm52", "q4_k_m"): [TRITON_FP16, TRITON_BF16],
+    ("dsv32", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
+    ("dsv32", "q8_0"): [TRITON_FP16, TRITON_BF16],
+}
+if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
+    _wanted = set(os.environ["E2E_GROUPS"].split(","))
+    GROUPS = {k: v for k, v in GROUPS.items() if f"{k[0]}:{k[1]}" in _wanted}
+# (model, GGUF type, setup name), the peer first on each file
+CASES = [(m, t, s.name) for (m, t), setups in GROUPS.items() for s in [PEER, *setups]]
 
 
 def models_dir() -> Path:

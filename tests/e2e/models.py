@@ -1,13 +1,13 @@
 """Tiny, well-conditioned DSA checkpoints and their GGUF files, for the
 end-to-end engine tests (tests/e2e/test_engine.py, test_serve.py).
 
-    python tests/e2e/models.py build DIR          # `make e2e-models`
-    python tests/e2e/models.py llama-cpp-wheel DIR  # for `make wheelhouse`
-    python tests/e2e/models.py converter FILE.tar.gz
+    python tests/e2e/models.py build DIR    # `make e2e-models`
 
-builds, in DIR (cached: a model whose recipe is unchanged and whose files are
-what manifest.json says is not rebuilt; a model's folder appears only once
-it is complete):
+(with scripts/ and tests/ on PYTHONPATH, as pytest has them: llama.cpp's
+converter, the checkpoint writer shared with the GGUF tests) builds, in DIR
+(cached: a model whose recipe is unchanged and whose files are what
+manifest.json says is not rebuilt; a model's folder appears only once it is
+complete):
 
 - one Hugging Face directory per model (config, safetensors, a word-level
   tokenizer with a chat template): the engine's --hf-config-path and
@@ -17,10 +17,11 @@ it is complete):
   the code behind llama-quantize) from the F32 file (Q4_K_M, Q5_K_M, Q6_K);
 - manifest.json: models, files and their tensor types.
 
-llama.cpp's converter comes from the pinned llama-cpp-python sdist (fetched
-and cached like the other downloads) or, on a machine without a package
-index, from E2E_LLAMA_CPP (the converter archive `make wheelhouse` writes);
-the quantizer is the llama_cpp package built from that same sdist.
+llama.cpp's converter comes from the llama-cpp-python sdist of
+llama-cpp-pin.txt (fetched and cached like the other downloads) or, on a
+machine without a package index, from E2E_LLAMA_CPP (the converter archive
+`make wheelhouse` writes); the quantizer is the llama_cpp package built from
+that same sdist (scripts/patchseries/llama_cpp_sdist.py).
 
 Why "well-conditioned": random initialisation at the usual 0.02 gives flat
 logits and sub-layers that barely move the residual stream, so any rounding
@@ -55,7 +56,7 @@ index_topk = 128 at every position) carries the top-k:
   o_proj has 4x the residual gain: attention moves the output. A random
   selection of index_topk keys (a third of the salient ones at the end of the
   long prompt) moves the next-token log-probabilities by ~50 % (scale-free,
-  as test_engine measures), which non-salient keys fill the remaining slots
+  as judging.py measures), which non-salient keys fill the remaining slots
   barely matters (< 0.1 %);
 - the output head reads each text token's own embedding as a logit of a
   "next" token (a permutation, NEXT_TOKEN): the greedy token follows from
@@ -71,20 +72,10 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-CONVERTER = REPO / "tests" / "gguf" / "llama_cpp_convert.py"
-if str(REPO / "tests") not in sys.path:  # run as a script: the test support package
-    sys.path.insert(0, str(REPO / "tests"))
-
-from support.llama_cpp_sdist import extract_converter, sdist  # noqa: E402
 
 # Types written by the converter, then types made by llama.cpp's quantizer.
 CONVERTED = ("f32", "f16", "bf16", "q8_0")
@@ -352,51 +343,37 @@ def _tokenizer(path: Path) -> None:
     }, indent=1))
 
 
-def build_checkpoint(spec: ModelSpec, path: Path) -> None:
+def _drafting_nextn(spec: ModelSpec):
+    """NextN tensors of one MTP layer at a time. A random NextN block proposes
+    tokens the target never takes: no draft is accepted, and the path that
+    keeps accepted tokens is not run. This one passes the next token's
+    embedding through (and a little of the target's hidden state), so the
+    block predicts from the next token much as the target does: in fp32 about
+    four in five of its drafts are the target's greedy tokens (the output head
+    leans on a fixed next token per token, see _condition)."""
     import torch
-    import transformers
-    from safetensors.torch import load_file, save_file
 
-    config_cls = getattr(transformers, spec.config_class)
-    geometry = dict(_COMMON, **spec.extra)
-    total = spec.layers + spec.mtp_layers
-    if "indexer_types" in geometry:
-        geometry["indexer_types"] = geometry["indexer_types"][:total]
-    torch.manual_seed(spec.seed)
-    # The MTP block is an ordinary decoder layer plus the NextN projections;
-    # transformers does not model it, so build it as one more layer and add
-    # the NextN tensors, as GLM-5 checkpoints store them.
-    model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(num_hidden_layers=total, **geometry)
-    )
-    _condition(model, spec)
-    model.save_pretrained(path)
-    if "indexer_types" in geometry:
-        geometry["indexer_types"] = geometry["indexer_types"][: spec.layers]
-    config = config_cls(
-        num_hidden_layers=spec.layers, num_nextn_predict_layers=spec.mtp_layers, **geometry
-    )
-    config.architectures = [spec.architecture]
-    config.save_pretrained(path)
-    if spec.mtp_layers:
-        gen = torch.Generator().manual_seed(spec.seed + 1000)
-        state = load_file(path / "model.safetensors")
-        hidden = geometry["hidden_size"]
-        for layer in range(spec.layers, total):
-            prefix = f"model.layers.{layer}."
-            # A random NextN block proposes tokens the target never takes: no
-            # draft is accepted, and the path that keeps accepted tokens is not
-            # run. This one passes the next token's embedding through (and a
-            # little of the target's hidden state), so the block predicts from
-            # the next token much as the target does: in fp32 about four in
-            # five of its drafts are the target's greedy tokens (the output
-            # head leans on a fixed next token per token, see _condition).
-            eh_proj = torch.cat([torch.eye(hidden), 0.1 * torch.randn(
-                hidden, hidden, generator=gen) / hidden**0.5], dim=1)
-            state[prefix + "eh_proj.weight"] = eh_proj
-            for norm in ("enorm", "hnorm", "shared_head.norm"):
-                state[prefix + norm + ".weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    from support.tiny_checkpoints import NEXTN_NORMS
+
+    gen = torch.Generator().manual_seed(spec.seed + 1000)
+
+    def tensors(hidden: int) -> dict:
+        eh_proj = torch.cat([torch.eye(hidden), 0.1 * torch.randn(
+            hidden, hidden, generator=gen) / hidden**0.5], dim=1)
+        return {"eh_proj.weight": eh_proj,
+                **{f"{norm}.weight": 1 + 0.1 * torch.randn(hidden, generator=gen)
+                   for norm in NEXTN_NORMS}}
+
+    return tensors
+
+
+def build_checkpoint(spec: ModelSpec, path: Path) -> None:
+    from support.tiny_checkpoints import write_checkpoint
+
+    write_checkpoint(path, spec.config_class, spec.architecture, dict(_COMMON, **spec.extra),
+                     spec.layers, spec.mtp_layers, spec.seed,
+                     condition=lambda model: _condition(model, spec),
+                     nextn_tensors=_drafting_nextn(spec))
     _tokenizer(path)
 
 
@@ -424,32 +401,21 @@ def tensor_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
+def convert(converter: Path, jobs: Path) -> None:
+    """llama.cpp's converter (in converter) on jobs.json, shared with the GGUF
+    tests (tests/support/llama_cpp_convert.py)."""
+    from support import llama_cpp_convert
+
+    llama_cpp_convert.run(converter, jobs, check=True)
+
+
 def converter_dir(work: Path) -> Path:
     """llama.cpp's converter: E2E_LLAMA_CPP (an archive of it) or the sdist."""
-    archive = os.environ.get("E2E_LLAMA_CPP")
-    if archive:
-        if not Path(archive).is_file():
-            raise SystemExit(f"E2E_LLAMA_CPP={archive}: no such file")
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        return work / "llama.cpp"
-    return extract_converter(sdist(), work)
+    # Imported here: cases.py (and rejudge.py through it) imports this module
+    # without scripts/ on the path.
+    from patchseries.llama_cpp_sdist import converter_dir
 
-
-def write_converter_archive(dest: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        root = extract_converter(sdist(), Path(tmp))
-        with tarfile.open(dest, "w:gz") as tar:
-            tar.add(root, arcname="llama.cpp")
-
-
-def build_llama_cpp_wheel(dest: Path) -> None:
-    """The llama-cpp-python wheel from the pinned sdist, CPU only and portable
-    (no -march=native), for the oracle and the quantizer on another machine."""
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF "
-               "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(dest),
-                    str(sdist())], env=env, check=True)
+    return converter_dir(work)
 
 
 def _mismatch(entry: dict | None, mdir: Path, recipe: str, types: tuple[str, ...]) -> str:
@@ -522,8 +488,7 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
         (tmp / "jobs.json").write_text(json.dumps(jobs))
         print(f"[e2e-models] {spec.name}: llama.cpp converter ({', '.join(converted)})",
               flush=True)
-        subprocess.run([sys.executable, str(CONVERTER), str(converter), str(tmp / "jobs.json")],
-                       check=True)
+        convert(converter, tmp / "jobs.json")
         files = {t: f"{spec.name}-{t}.gguf" for t in converted}
         for q in (t for t in QUANTIZED if t in types):
             print(f"[e2e-models] {spec.name}: llama.cpp quantizer -> {q}", flush=True)
@@ -546,14 +511,9 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
 
 
 def main() -> None:
-    commands = {
-        "build": lambda arg: build(Path(arg)),
-        "llama-cpp-wheel": lambda arg: build_llama_cpp_wheel(Path(arg)),
-        "converter": lambda arg: write_converter_archive(Path(arg)),
-    }
-    if len(sys.argv) != 3 or sys.argv[1] not in commands:
+    if len(sys.argv) != 3 or sys.argv[1] != "build":
         raise SystemExit(__doc__)
-    commands[sys.argv[1]](sys.argv[2])
+    build(Path(sys.argv[2]))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
     python tests/e2e/rejudge.py ENGINE_DIR OUT.jsonl --env RECORD.jsonl
 
 ENGINE_DIR is where test_engine.py's engine runs left their files (pytest's
-temporary folder `engine0`: <GGUF stem>-<path>.out.json and .log). E2E_MODELS
+temporary folder `engine0`: <GGUF stem>-<setup>.out.json and .log). E2E_MODELS
 must hold the same models (`make e2e-models` with the same recipe: the
 manifests must be equal). The oracles run here (transformers fp32, on the CPU
 without a GPU; llama.cpp on the CPU) under the suite's own rules
-(test_engine.evaluate). For a GPU run whose device time ran out before its
+(judging.evaluate). For a GPU run whose device time ran out before its
 judging did. --env is that run's E2E_RECORD: the machine's fields (date, card,
 driver, versions) come from its first line. A folder without any engine run
 is an error; OUT is replaced only once every case is judged.
@@ -21,15 +21,16 @@ import json
 import os
 from pathlib import Path
 
-from cases import model_paths, models_dir
+from cases import CASES, model_paths, models_dir
+from judging import evaluate
+from run_engine import engine_result
+from setups import SETUPS
 
 _MACHINE = ("date", "card", "driver", "gpus", "vllm", "torch", "triton")
 
 
 def engine_runs(engine_dir: Path, manifest: dict, gpus: int) -> dict:
     """What each case's engine left: its result, its error or why it did not run."""
-    from test_engine import CASES, engine_result, tensor_parallel
-
     runs = {}
     for model, gguf_type, path in CASES:
         _, gguf = model_paths(manifest, model, gguf_type)
@@ -40,9 +41,9 @@ def engine_runs(engine_dir: Path, manifest: dict, gpus: int) -> dict:
                 runs[(model, gguf_type, path)] = engine_result(out, log.read_text())
             except ValueError as e:  # cut short: that case failed, the others are judged
                 runs[(model, gguf_type, path)] = {"error": f"{path}: {e}"}
-        elif tensor_parallel(path) > gpus:
+        elif SETUPS[path].gpus > gpus:
             runs[(model, gguf_type, path)] = {
-                "skip": f"{path} needs {tensor_parallel(path)} GPUs, the run's host had {gpus}"}
+                "skip": f"{path} needs {SETUPS[path].gpus} GPUs, the run's host had {gpus}"}
         elif not case.is_file():  # written before the engine starts
             runs[(model, gguf_type, path)] = {"skip": f"{path} was not part of the run"}
         else:
@@ -58,8 +59,6 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--env", type=Path, required=True, help="the run's E2E_RECORD")
     args = ap.parse_args()
-
-    from test_engine import CASES, evaluate
 
     if not args.engine_dir.is_dir():
         raise SystemExit(f"rejudge.py: {args.engine_dir}: no such folder (pytest's engine0 "

@@ -10,6 +10,8 @@ With full_logprobs (the LLM needs max_logprobs as large), OUT minus its
 ".json" plus ".logprobs.pt" holds every position's whole log-probability
 vector: per prompt, "prompt" [prompt tokens - 1, vocab] and "generated"
 [generated tokens, vocab] (float32; NaN where the engine gave none).
+
+engine_result() reads what a run left (test_engine.py, rejudge.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,29 @@ from pathlib import Path
 
 def full_logprobs_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".json") + ".logprobs.pt")
+
+
+def engine_result(out_file: Path, log: str) -> dict:
+    """An engine run's output file (and its whole log-probability vectors,
+    where it wrote them), plus what it chose, read from its log."""
+    import torch
+
+    try:
+        result = json.loads(out_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{out_file} is not complete JSON ({e}): the engine was stopped "
+                         "while writing it?") from None
+    vectors = full_logprobs_path(out_file)
+    if vectors.is_file():
+        for res, full in zip(result["prompts"], torch.load(vectors)):
+            res["full"] = full
+    result["backend"] = next((b for b in ("TRITON_MLA_SPARSE", "FLASHMLA_SPARSE",
+                                           "FLASHINFER_MLA_SPARSE")
+                              if f"Using AttentionBackendEnum.{b}" in log
+                              or f"Using {b}" in log), "unknown")
+    result["indexer"] = "triton" if "DSA indexer: Triton kernels" in log else "deepgemm"
+    result["cuda_graphs"] = "Graph capturing finished" in log or "Capturing CUDA graph" in log
+    return result
 
 
 def _dense(entries, vocab: int):

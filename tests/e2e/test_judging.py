@@ -1,4 +1,4 @@
-"""The engine tests' judging on made-up numbers (CPU): what compare() reports
+"""judging.py's rules on made-up numbers (CPU): what compare() reports
 for the prompt tokens, the greedy tokens and the decode steps, split by the
 indexer's top-k selection, and what check_bar lets through."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases import prompts
-from test_engine import MAX_TOKENS, check_bar, compare
+from cases import MAX_TOKENS, prompts
+from judging import check_bar, compare
 
 VOCAB = 512
 

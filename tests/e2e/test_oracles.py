@@ -7,12 +7,15 @@ indexers' top-k choice is decisive and survives fp8 scores."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from cases import models, prompts
+import models
+from cases import prompts
 from oracles import (
     transformers_class,
     transformers_logprobs,
@@ -61,7 +64,7 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models):
     """The GLM-5 model's NextN block guesses the target's next-but-one greedy
     token often enough that an MTP run accepts drafts (a random block never
     does, and the path that keeps accepted tokens would go untested): a
-    quarter at least in fp32 (test_engine.MIN_ACCEPTANCE asks 0.15 of the
+    quarter at least in fp32 (judging.MIN_ACCEPTANCE asks 0.15 of the
     engine)."""
     out, manifest = f32_models
     hf = out / "glm5" / manifest["models"]["glm5"]["hf"]
@@ -92,15 +95,14 @@ def fake_tools(tmp_path, monkeypatch):
         built.append(spec.name)
         (path / "config.json").write_text("{}")
 
-    converter = tmp_path / "convert.py"
-    converter.write_text(
-        "import json, os, sys\n"
-        "fail = os.environ.get('FAIL_CONVERT')\n"
-        "for job in json.load(open(sys.argv[2])):\n"
-        "    open(job['outfile'], 'w').write(job['outtype'])\n"
-        "    if fail and fail in os.path.basename(job['outfile']):\n"
-        "        sys.exit('converter failed')\n")
-    monkeypatch.setattr(models, "CONVERTER", converter)
+    def convert(converter, jobs):
+        fail = os.environ.get("FAIL_CONVERT")
+        for job in json.loads(jobs.read_text()):
+            Path(job["outfile"]).write_text(job["outtype"])
+            if fail and fail in Path(job["outfile"]).name:
+                raise subprocess.CalledProcessError(1, "convert")
+
+    monkeypatch.setattr(models, "convert", convert)
     monkeypatch.setattr(models, "build_checkpoint", checkpoint)
     monkeypatch.setattr(models, "converter_dir", lambda work: work)
     monkeypatch.setattr(models, "quantize", lambda src, dst, q: dst.write_text(q))

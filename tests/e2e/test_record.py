@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cases import HERE
+from cases import CASES, HERE
 from record import render
 
 RESULTS = sorted((HERE / "results").glob("*/engine.jsonl"))
@@ -21,8 +21,6 @@ def test_committed_table_is_rendered_from_its_data(data):
 
 
 def fake_manifest() -> dict:
-    from test_engine import CASES
-
     manifest: dict = {"models": {}}
     for model, gguf_type, _ in CASES:
         entry = manifest["models"].setdefault(model, {"hf": "hf", "gguf": {}, "types": {}})
@@ -74,7 +72,6 @@ def rejudge_run(tmp_path, monkeypatch):
     """rejudge.py's command line on fake models and a fake judge: returns
     run(engine_dir), the output file and the lines the judge saw."""
     import rejudge
-    import test_engine
 
     models = tmp_path / "models"
     models.mkdir()
@@ -93,7 +90,7 @@ def rejudge_run(tmp_path, monkeypatch):
         res = runs[(model, gguf_type, path)]
         return ({**row, "skipped": res["skip"]} if "skip" in res else row), []
 
-    monkeypatch.setattr(test_engine, "evaluate", evaluate)
+    monkeypatch.setattr(rejudge, "evaluate", evaluate)
 
     def run(engine_dir):
         monkeypatch.setattr("sys.argv", ["rejudge.py", str(engine_dir), str(out), "--env",

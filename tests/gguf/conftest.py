@@ -1,20 +1,18 @@
 """Tiny random-weight GLM-5 / DeepSeek checkpoints, converted to GGUF by
-llama.cpp's own converter (from the pinned llama-cpp-python sdist) once per
-test session."""
+llama.cpp's own converter (from the llama-cpp-python sdist of
+llama-cpp-pin.txt) once per test session."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gguf_checks import GLM52_INDEXER_TYPES
-
-HERE = Path(__file__).resolve().parent
+from support import llama_cpp_convert
+from support.tiny_checkpoints import NEXTN_NORMS, write_checkpoint
 
 # Real MLA head geometry; everything else tiny. Hidden sizes are multiples
 # of 32 so that the converter quantizes to Q8_0 where a real file would.
@@ -38,8 +36,6 @@ _COMMON = dict(
 _DSA = dict(index_n_heads=4, index_head_dim=128, index_topk=16)
 
 
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     name: str
@@ -50,19 +46,23 @@ class Checkpoint:
 
 @pytest.fixture(scope="session")
 def llama_cpp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from support.llama_cpp_sdist import extract_converter, sdist
+    from patchseries.llama_cpp_sdist import extract_converter, sdist
 
     return extract_converter(sdist(), tmp_path_factory.mktemp("llama_cpp"))
+
+
+def _random_nextn(hidden: int) -> dict:
+    """A random NextN block (the GGUF tests check names, shapes and types)."""
+    import torch
+
+    return {"eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.02,
+            **{f"{norm}.weight": 1 + 0.1 * torch.randn(hidden) for norm in NEXTN_NORMS}}
 
 
 def _save_glm(path: Path, indexer_types: list[str] | None = None) -> Checkpoint:
     """GLM-5; with `indexer_types`, GLM-5.2, whose "shared" layers have no
     indexer of their own (they reuse the previous full layer's top-k, and
     transformers builds no indexer for them)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
-
     geometry = dict(
         _COMMON,
         **_DSA,
@@ -75,65 +75,27 @@ def _save_glm(path: Path, indexer_types: list[str] | None = None) -> Checkpoint:
     if indexer_types is not None:
         layers = len(indexer_types)
         geometry["indexer_types"] = indexer_types
-    # The MTP block is an ordinary decoder layer plus the NextN projections;
-    # transformers does not model it, so build layer `layers` with one more
-    # layer and append the NextN tensors, as GLM-5 checkpoints store them.
-    torch.manual_seed(1234 if indexer_types is None else 5678)
-    full_geometry = dict(geometry)
-    if indexer_types is not None:  # the MTP block has its own indexer
-        full_geometry["indexer_types"] = indexer_types + ["full"] * mtp
-    full = AutoModelForCausalLM.from_config(
-        GlmMoeDsaConfig(num_hidden_layers=layers + mtp, **full_geometry)
-    )
-    full.save_pretrained(path)
-    config = GlmMoeDsaConfig(
-        num_hidden_layers=layers, num_nextn_predict_layers=mtp, **geometry
-    )
-    config.architectures = ["GlmMoeDsaForCausalLM"]
-    config.save_pretrained(path)
-    state = load_file(path / "model.safetensors")
-    hidden = geometry["hidden_size"]
-    for layer in range(layers, layers + mtp):
-        prefix = f"model.layers.{layer}."
-        state[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
-        for norm in ("enorm", "hnorm", "shared_head.norm"):
-            state[prefix + norm + ".weight"] = 1 + 0.1 * torch.randn(hidden)
-    _randomize_norms(state)
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint(path, "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", geometry, layers, mtp,
+                     seed=1234 if indexer_types is None else 5678,
+                     nextn_tensors=_random_nextn, edit_state=_randomize_norms)
     return Checkpoint("glm" if indexer_types is None else "glm52", path, layers, mtp)
 
 
 def _save_deepseek(path: Path, v32: bool) -> Checkpoint:
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    if v32:
-        from transformers import DeepseekV32Config as Config
-
-        extra = dict(_DSA)
-        arch = "DeepseekV32ForCausalLM"
-    else:
-        from transformers import DeepseekV3Config as Config
-
-        extra = {}
-        arch = "DeepseekV3ForCausalLM"
     # Odd head count, DeepSeek's qk_nope 128 / v_head 128.
-    config = Config(
-        num_hidden_layers=2,
+    geometry = dict(
         num_attention_heads=3,
         num_key_value_heads=3,
         qk_nope_head_dim=128,
         v_head_dim=128,
         **_COMMON,
-        **extra,
+        **(_DSA if v32 else {}),
     )
-    config.architectures = [arch]
-    torch.manual_seed(4321 + v32)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    state = load_file(path / "model.safetensors")
-    _randomize_norms(state)
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    name = "V32" if v32 else "V3"
+    # The config transformers writes: DeepSeek-V3's default of one NextN
+    # layer stays, as in its published config.
+    write_checkpoint(path, f"Deepseek{name}Config", f"Deepseek{name}ForCausalLM", geometry,
+                     layers=2, seed=4321 + v32, edit_state=_randomize_norms, own_config=False)
     return Checkpoint("dsv32" if v32 else "dsv3", path, 2, 0)
 
 
@@ -196,16 +158,8 @@ def gguf_files(
             job["legacy_kv_b"] = True
         jobs.append(job)
     (out / "jobs.json").write_text(json.dumps(jobs))
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "llama_cpp_convert.py"),
-            str(llama_cpp_dir),
-            str(out / "jobs.json"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    result = llama_cpp_convert.run(llama_cpp_dir, out / "jobs.json", capture_output=True,
+                                   text=True)
     assert result.returncode == 0, (
         f"llama.cpp converter failed:\n{result.stderr[-4000:]}"
     )

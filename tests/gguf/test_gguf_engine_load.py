@@ -22,9 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from gguf_checks import q8_0_bound
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-from test_sparse_selector import CudaPlatform, _get_class_without_gpu  # noqa: E402
+from support.cuda_without_gpu import CudaPlatform, get_class_without_gpu
 
 
 class _CudaOnCpu(CudaPlatform):
@@ -78,7 +76,7 @@ def _cuda_on_cpu():
         with (
             patch.object(torch.ops, "_C", _NoKernels(), create=True),
             patch("vllm.triton_utils.HAS_TRITON", True),
-            patch.object(AttentionBackendEnum, "get_class", _get_class_without_gpu),
+            patch.object(AttentionBackendEnum, "get_class", get_class_without_gpu),
             patch(
                 "vllm.model_executor.layers.attention.mla_attention."
                 "get_mla_prefill_backend",

@@ -7,6 +7,7 @@ so a test can skip and a benchmark go on with the reason."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -65,14 +66,36 @@ def load_deep_gemm(folder: str | None = None) -> tuple[Any | None, str | None]:
     os.environ.setdefault(
         "DG_JIT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dg_jit_cache")
     )
-    if folder:
-        if not os.path.isdir(os.path.join(folder, "deep_gemm")):
-            return None, f"DeepGEMM: {folder} holds no deep_gemm package"
-        sys.path.insert(0, folder)
     errs = []
-    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
+    if folder:
+        package = os.path.join(folder, "deep_gemm")
+        if not os.path.isdir(package):
+            return None, f"DeepGEMM: {folder} holds no deep_gemm package"
+        try:
+            return _import_package("deep_gemm", package), None
+        except (ImportError, OSError, RuntimeError) as e:  # or its .so failing
+            errs.append(f"deep_gemm from {folder}: {e!r}")
+    # A folder's deep_gemm stands where deep_gemm on the path would.
+    for name in ("deep_gemm", "vllm.third_party.deep_gemm")[bool(folder):]:
         try:
             return __import__(name, fromlist=["fp8_fp4_mqa_logits"]), None
         except (ImportError, OSError, RuntimeError) as e:  # or its .so failing
             errs.append(f"{name}: {e!r}")
     return None, "DeepGEMM not importable: " + "; ".join(errs)
+
+
+def _import_package(name: str, folder: str):
+    """The package in folder, imported as `name` (its modules import each
+    other relatively), without putting folder's other packages on the path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

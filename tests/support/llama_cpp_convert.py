@@ -1,10 +1,13 @@
 """Convert tiny HF checkpoints with llama.cpp's own converter.
 
-Run as a script (``python llama_cpp_convert.py <llama.cpp dir> <jobs.json>``)
-so that the converter's bundled gguf-py never meets the gguf package vLLM
-imports. Each job is ``{"model", "outtype", "outfile"}`` plus optionally
+run(llama_cpp_dir, jobs.json) runs this file as a script, in a process of
+its own with the converter's llama.cpp dir and its bundled gguf-py first on
+PYTHONPATH: the converter imports them by top-level name (``conversion``,
+``gguf``), and its gguf-py must never meet the gguf package vLLM imports.
+Each job is ``{"model", "outtype", "outfile"}`` plus optionally
 ``"split_max_tensors"`` and ``"legacy_kv_b"``; all jobs share one process to
-pay the torch/transformers import once.
+pay the torch/transformers import once. Used by the CPU GGUF tests
+(tests/gguf) and the end-to-end test models (tests/e2e/models.py).
 
 Only the vocabulary step is replaced. The converter identifies a tokenizer
 by hashing its encoding of a probe text against the pre-tokenizers of
@@ -16,15 +19,23 @@ is the converter's own code.
 """
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 
+def run(llama_cpp: Path, jobs: Path, **kwargs) -> subprocess.CompletedProcess:
+    """The converter on jobs (a JSON file); kwargs go to subprocess.run."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(llama_cpp), str(llama_cpp / "gguf-py"), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), str(jobs)], env=env,
+                          **kwargs)
+
+
 def main() -> None:
-    vendor = Path(sys.argv[1])
-    jobs = json.loads(Path(sys.argv[2]).read_text())
-    sys.path.insert(0, str(vendor / "gguf-py"))
-    sys.path.insert(0, str(vendor))
+    jobs = json.loads(Path(sys.argv[1]).read_text())
     import gguf
     import torch
     from conversion import (

@@ -2,14 +2,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine benchmark's command line (`make bench-engine` runs it through
-scripts/run-bench-engine.sh).
+scripts/run-bench-engine.sh); its modules are the package bench/engine.
 
-    cli.py plan [--quick]                       # what a run does: files, servers, commands
-    cli.py build-models [--quick | --files glm5-tp8:q4_k_m,...] [--out DIR]
-    cli.py build-llama-cpp [--cache DIR]        # llama-server + llama-bench, CUDA, once per machine
-    cli.py pack-llama-src DEST.tar.gz           # pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
-    cli.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
-    cli.py render [--results DIR] [--check]     # engine.md from engine.jsonl
+    bench_engine.py plan [--quick]              # what a run does: files, servers, commands
+    bench_engine.py build-models [--quick | --files glm5-tp8:q4_k_m,...] [--out DIR]
+    bench_engine.py build-llama-cpp [--cache DIR]  # llama-server + llama-bench, CUDA, once
+    bench_engine.py pack-llama-src DEST.tar.gz  # pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
+    bench_engine.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
+    bench_engine.py render [--results DIR] [--check]  # engine.md from engine.jsonl
+
+build-models, build-llama-cpp and pack-llama-src take the pinned llama.cpp
+from scripts/ (patchseries): run them with scripts/ on PYTHONPATH, as
+scripts/run-bench-engine.sh does.
 
 Checkpoints: glm5-tp8, glm5-tp4, glm52-tp8, dsv32-tp8, glm5-full (bench/engine/spec.py);
 types: f16, q8_0, q4_k_m, mix-iq2_xxs, mix-q2_k.
@@ -22,13 +26,11 @@ import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1]
-REPO = BENCH.parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
+from engine import spec as specs
+from engine import workloads as wl
 
-from engine import spec as specs  # noqa: E402
-from engine import workloads as wl  # noqa: E402
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
 
 MODELS = REPO / "build" / "bench-engine" / "models"
 LLAMA_CACHE = REPO / "build" / "bench-engine" / "llama.cpp"
