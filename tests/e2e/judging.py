@@ -23,6 +23,7 @@ wrong selection shows only where it is active, and a mean over all
 positions plus a slack hid a 4.8x error there):
 
     mean |d logprob| and the scale-free error <= 1.5 x peer
+    (the decode steps' mean |d logprob|: 1.5 x peer + 0.01, DECODE_MEAN_SLACK)
 
 The scale-free error of a position is ||d (lp - mean lp)|| / ||lp_oracle -
 mean lp_oracle|| over the whole vocabulary (0 exact, ~1.4 unrelated). Plus
@@ -185,8 +186,12 @@ def check_bar(ours: dict, peer: dict) -> list[str]:
         for part in ("topk_active", "all_keys"):
             mine, theirs = o.get(part, {}), p.get(part, {})
             for key in ("mean", "rel"):
-                if key in mine and key in theirs and mine[key] > _ratio_bar(theirs[key]):
-                    bad.append(f"{where}{part} {key} {mine[key]} > {RATIO} x {theirs[key]}")
+                if key not in mine or key not in theirs:
+                    continue
+                slack = DECODE_MEAN_SLACK if where and key == "mean" else 0.0
+                if mine[key] > _ratio_bar(theirs[key]) + slack:
+                    bad.append(f"{where}{part} {key} {mine[key]} > {RATIO} x {theirs[key]}"
+                               + (f" + {slack}" if slack else ""))
     if ours["top1"] < 0.8:
         bad.append(f"top-1 {ours['top1']} < 0.8 (absolute floor)")
     return bad
@@ -197,6 +202,13 @@ def check_bar(ours: dict, peer: dict) -> list[str]:
 # rounding; it is far below every figure these models give (>= 0.005).
 RATIO = 1.5
 _FLOOR = 0.002
+# Except the decode steps' mean |d logprob| apart: 24 tokens per part, each
+# engine's own continuation (not paired with the peer's), means of 0.006-0.02
+# nats that one near-tie token moves by half. On the H200 run of 2026-12-01
+# (evening) the series' bf16 path, the same arithmetic as the peer's, gave
+# 0.53-1.91x the peer there (prompt parts: 0.81-1.13x, decode scale-free:
+# 0.77-1.36x). A 4x gap still fails: 0.04 against the bar 0.025 at a peer of 0.01.
+DECODE_MEAN_SLACK = 0.01
 
 
 def _ratio_bar(peer: float) -> float:
