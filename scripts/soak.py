@@ -466,6 +466,23 @@ def _session_rss_mib(sid: int) -> float | None:
     return total / 1024 if total else None
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 60 s. A group
+    already gone (the server died at start) is not an error: the reason it
+    died must stay the one reported."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            server.wait(60)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    server.poll()
+
+
 def _gpu_mib() -> float | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
@@ -548,11 +565,7 @@ def main() -> int:
         except requests.RequestException:
             run.alive_after = False
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
     run.log_tracebacks = tracebacks(log_path.read_text(errors="replace"))
     summary, failures = verdict(run, args.stall_s)
     import vllm

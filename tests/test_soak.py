@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -197,3 +198,14 @@ def test_render_names_the_verdict():
     md = soak.render([{"minute": 0, "requests": 3, "tokens_per_s": 1.5, "4xx": 1,
                        "failed": 0}, head])
     assert "| 0 | 3 | 1.5 | 1 | 0 |" in md and "**FAILED**" in md and "a stall of 9.0 s" in md
+
+
+@pytest.mark.parametrize("command", [["true"], ["sleep", "600"]])
+def test_stopping_the_server_copes_with_a_group_already_gone(command):
+    """A server that died at start (its process group gone) is stopped without
+    an error, which would hide why it died; a live one is terminated."""
+    server = subprocess.Popen(command, start_new_session=True)
+    if command == ["true"]:
+        server.wait()
+    soak.stop_server(server)
+    assert server.returncode is not None
