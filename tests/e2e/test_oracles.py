@@ -140,7 +140,7 @@ def test_manifest_is_checked_against_the_files_it_names(fake_tools, tmp_path):
     assert fake_tools == ["glm5", "glm52"]
 
 
-# The decisive top-k (models.py, RECIPE 8): the indexer's choice must matter,
+# The decisive top-k (models.py, RECIPE 9): the indexer's choice must matter,
 # and must not hang on rounding. The indexer is re-run here (same math as
 # transformers' GlmMoeDsaIndexer / DeepseekV32Indexer), with its scores
 # recorded, its queries and keys rounded to fp8, or its top-k replaced by a
@@ -156,8 +156,23 @@ def _fp8_round(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def _index_scores(ix, hidden_states, q_resid, position_embeddings, fp8: bool) -> torch.Tensor:
-    """The indexer's weighted scores [B, S, T] (before the causal mask)."""
+def _bad_k_scale_round(k: torch.Tensor) -> torch.Tensor:
+    """k rounded as vLLM's fp16 indexer K cache (indexer_k_quant_and_cache)
+    did before the series' patch 0017: the per-token scale came from the fp16
+    bit patterns (read as uint16) instead of the numbers, so it is ~128 (2**7,
+    from max pattern / 448, rounded up to a power of two) whatever k holds:
+    elements below 2 in magnitude land on a 0.25 grid, below 0.125 on 0."""
+    bits = k.half().view(torch.int16).to(torch.int32) & 0xFFFF
+    amax = bits.float().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return (k / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def _index_scores(ix, hidden_states, q_resid, position_embeddings,
+                  rounding: str | None = None) -> torch.Tensor:
+    """The indexer's weighted scores [B, S, T] (before the causal mask):
+    rounding "fp8" rounds queries and keys to fp8 as vLLM does, "bad_k_scale"
+    the keys with _bad_k_scale_round's scales (the queries as "fp8")."""
     import sys
 
     module = sys.modules[type(ix).__module__]
@@ -170,8 +185,9 @@ def _index_scores(ix, hidden_states, q_resid, position_embeddings, fp8: bool) ->
     q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], -1).float()
     k = torch.cat([k_rot, k_pass], -1).squeeze(2).float()
-    if fp8:
-        q, k = _fp8_round(q), _fp8_round(k)
+    if rounding is not None:
+        q = _fp8_round(q)
+        k = _bad_k_scale_round(k) if rounding == "bad_k_scale" else _fp8_round(k)
     scores = torch.relu(q @ k.transpose(-1, -2).unsqueeze(1) * ix.softmax_scale)
     weights = ix.weights_proj(hidden_states).float() * ix.n_heads**-0.5
     return (weights.unsqueeze(-2) @ scores).squeeze(-2)
@@ -182,7 +198,8 @@ def _dsa_run(model, tokens: list[int], mode: str, scores: list | None = None,
              attention: list | None = None) -> torch.Tensor:
     """Teacher-forced log-probabilities with every indexer re-run: mode
     "fp32" (transformers' own selection), "fp8" (scores from fp8 queries and
-    keys) or "random" (a random causal selection of index_topk keys). scores
+    keys), "bad_k_scale" (fp8 with _bad_k_scale_round's keys) or "random" (a
+    random causal selection of index_topk keys). scores
     collects each indexer layer's [S, T] fp32 scores, attention each layer's
     [heads, S, T] attention weights."""
     import types
@@ -191,7 +208,8 @@ def _dsa_run(model, tokens: list[int], mode: str, scores: list | None = None,
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
                 position_ids=None, past_key_values=None):
-        s = _index_scores(self, hidden_states, q_resid, position_embeddings, mode == "fp8")
+        s = _index_scores(self, hidden_states, q_resid, position_embeddings,
+                          mode if mode in ("fp8", "bad_k_scale") else None)
         if scores is not None:
             scores.append(s[0])
         if mode == "random":
@@ -226,7 +244,8 @@ def _lp_error(lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def dsa_runs(f32_models):
     """Per model, on the long prompt: the checkpoint in fp32, which of its
     tokens are salient, the reference log-probabilities, and the runs with
-    recorded scores (fp32, fp8) and attention weights."""
+    recorded scores (fp32, fp8) and attention weights. "level": each
+    token's salience (0: not salient)."""
     out, manifest = f32_models
     runs = {}
 
@@ -236,9 +255,9 @@ def dsa_runs(f32_models):
             model = transformers_class(hf).from_pretrained(
                 hf, dtype=torch.float32, attn_implementation="eager").eval()
             tokens = prompts()[0]
-            salient = set(models.salient_tokens(models.MODELS[name]))
+            level = models.salience(models.MODELS[name])[tokens]
             r = {"model": model, "tokens": tokens, "topk": model.config.index_topk,
-                 "salient": torch.tensor([t in salient for t in tokens]),
+                 "level": level, "salient": level > 0,
                  "ref": transformers_logprobs(model, tokens),
                  "scores": [], "scores_fp8": [], "attention": []}
             r["fp32"] = _dsa_run(model, tokens, "fp32", r["scores"], r["attention"])
@@ -250,36 +269,50 @@ def dsa_runs(f32_models):
 
 
 @pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
-def test_indexer_scores_salient_keys_far_above_the_rest(dsa_runs, name):
+def test_indexer_scores_follow_salience(dsa_runs, name):
     """At every position of the long prompt whose context is longer than
-    index_topk, in every indexer layer, the lowest salient key's score is
-    above the highest non-salient key's by at least 30 % of the position's
-    top score: fp8 rounding of queries and keys moves a score by a few
-    percent of the scale at most (3 mantissa bits: 2**-4 relative per element),
-    so it cannot reorder the two groups; and there are fewer salient keys
-    than index_topk, so every one of them is selected. Checked directly too:
-    the largest fp8 score change at a position is under a tenth of its gap."""
+    index_topk, in every indexer layer: every salient key scores above every
+    non-salient one by at least 30 % of the position's top score and 10x the
+    largest fp8 score change (fp8 rounding of queries and keys moves a score
+    by a few percent at most: 3 mantissa bits), and the salience levels'
+    mean scores rise with the level. At the end of the long prompt there are
+    more salient keys than index_topk, so the selection's boundary falls
+    among salient keys of the lower levels, whose scores are close: fp8
+    swaps a few keys there (under 4 of 128 on average), and the main
+    attention gives a key of the lowest level less than a tenth of the
+    weight of one of the highest, so those swaps hardly matter."""
     r = dsa_runs(name)
     # the re-run indexer is transformers' own
     assert torch.equal(r["fp32"], r["ref"]), f"{name}: the re-run indexer differs"
-    topk, salient = r["topk"], r["salient"]
-    assert salient.cumsum(0).max() < topk * 0.6, "too many salient tokens in the prompt"
-    worst_gap, worst_ratio = float("inf"), float("inf")
+    topk, level = r["topk"], r["level"]
+    salient = level > 0
+    assert salient.sum() > topk * 1.3, "too few salient tokens in the prompt"
+    levels = level.unique()
+    worst_gap, worst_ratio, swaps = float("inf"), float("inf"), []
     for s, s8 in zip(r["scores"], r["scores_fp8"], strict=True):
         for i in range(topk, len(r["tokens"])):
-            row, m = s[i, : i + 1], salient[: i + 1]
+            row, m, lv = s[i, : i + 1], salient[: i + 1], level[: i + 1]
             gap = row[m].min() - row[~m].max()
             worst_gap = min(worst_gap, (gap / row.max()).item())
             worst_ratio = min(worst_ratio, (gap / (s8[i, : i + 1] - row).abs().max()).item())
+            means = torch.stack([row[lv == v].mean() for v in levels if (lv == v).any()])
+            assert (means.diff() > 0).all(), f"{name}: level means {means.tolist()} at {i}"
+            chosen = set(row.topk(topk).indices.tolist())
+            swaps.append(len(chosen - set(s8[i, : i + 1].topk(topk).indices.tolist())))
     assert worst_gap >= 0.3, f"{name}: salient/non-salient score gap {worst_gap:.3f} of the top"
     assert worst_ratio >= 10, f"{name}: gap only {worst_ratio:.1f}x the fp8 score change"
+    assert sum(swaps) / len(swaps) < 4, f"{name}: fp8 swaps {sum(swaps) / len(swaps):.1f} keys"
+    for layer, w in enumerate(r["attention"]):
+        per_key = w[:, topk:].mean((0, 1))
+        low, high = (per_key[level == v].mean() for v in (levels[1], levels[-1]))
+        assert low < 0.1 * high, f"{name} layer {layer}: lowest level gets {low / high:.2f}x"
 
 
 @pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
 def test_topk_choice_is_decisive(dsa_runs, name):
     """The main attention puts most of its weight on the salient keys, so a
-    random causal selection of index_topk keys (about a third of the salient
-    ones, at the end of the long prompt) moves the next-token distributions
+    random causal selection of index_topk keys (a third of the context: of
+    the top-level salient keys too) moves the next-token distributions
     a lot where top-k is active (the old random recipe: ~0.1)."""
     r = dsa_runs(name)
     topk, salient = r["topk"], r["salient"]
@@ -298,3 +331,20 @@ def test_topk_choice_survives_fp8_scores(dsa_runs, name):
     r = dsa_runs(name)
     err = _lp_error(r["fp8"], r["ref"])[r["topk"]:]
     assert err.mean() < 0.01, f"{name}: fp8 scores move log-probs by {err.mean():.4f}"
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_topk_choice_catches_a_bad_indexer_k_scale(dsa_runs, name):
+    """An fp8 indexer K cache with garbage scales (_bad_k_scale_round: the
+    fp16 cache's scales from bit patterns, which the series' patch 0017
+    fixes) must fail the end-to-end bars: its small K elements lose their
+    information, the salience levels' scores mix, and its selection moves
+    the log-probabilities by 5 % at least (mean, where top-k is active; the
+    RECIPE 8 models: 0.02 %, as little as a correct fp8 cache) and 5x as much
+    as a correct fp8 cache."""
+    r = dsa_runs(name)
+    topk = r["topk"]
+    err = _lp_error(_dsa_run(r["model"], r["tokens"], "bad_k_scale"), r["ref"])[topk:].mean()
+    err8 = _lp_error(r["fp8"], r["ref"])[topk:].mean()
+    assert err >= 0.05, f"{name}: bad K scales move log-probs by {err:.4f} only"
+    assert err >= 5 * err8, f"{name}: bad K scales {err:.4f}, correct fp8 {err8:.4f}"
