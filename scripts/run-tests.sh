@@ -52,6 +52,10 @@ fi
 
 if [ "${PYTEST_MARK:-}" = gpu ]; then
   [ -n "$gpu_checked" ] || check_gpu
+  # a requirement missing from the Python would otherwise show only as every
+  # engine failing at start
+  printf '\n==> engine imports\n'
+  "$VENV/bin/python" scripts/check_engine_imports.py
   export E2E_MODELS=${E2E_MODELS:-build/e2e}
   printf '\n==> end-to-end models (%s)\n' "$E2E_MODELS"
   # the folders it imports from besides its own, as pytest's pythonpath (pyproject.toml) has them

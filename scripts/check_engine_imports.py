@@ -1,0 +1,63 @@
+"""Import what a vLLM engine and `vllm serve` import when they start, and say
+which module is missing. `make test-gpu` runs it after the install: with
+WHEELHOUSE_NO_DEPS=1 a wheelhouse goes into a Python that is meant to hold
+the rest, and a requirement missing there otherwise shows only as every
+engine failing at start, minutes later.
+
+    python scripts/check_engine_imports.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# Modules whose import pulls in what an engine start needs (the request type
+# imports the structured-output backends), the quantization configs' module
+# list, the OpenAI server, and the series' own modules.
+MODULES = (
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.llm_engine",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.model_executor.model_loader.gguf_dsa",
+    "vllm.v1.attention.ops.dsa_indexer_k_cache",
+)
+
+
+def check() -> list[str]:
+    """One line per failure: the module asked for and the error."""
+    failures = []
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # an ImportError, or whatever a module raises at import
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+    if not failures:
+        from vllm.model_executor.layers.quantization import (
+            QUANTIZATION_METHODS,
+            get_quantization_config,
+        )
+
+        # every method's config class: the GGUF path resolves them all
+        for method in QUANTIZATION_METHODS:
+            try:
+                get_quantization_config(method)
+            except Exception as e:
+                failures.append(f"quantization method {method}: {type(e).__name__}: {e}")
+    return failures
+
+
+def main() -> int:
+    failures = check()
+    for line in failures:
+        print(f"error: {line}", file=sys.stderr)
+    if failures:
+        print("error: the installed vLLM cannot start an engine; install the missing "
+              "packages (`make wheelhouse` holds every requirement)", file=sys.stderr)
+        return 1
+    print(f"engine imports: {len(MODULES)} modules and every quantization method load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
