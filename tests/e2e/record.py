@@ -1,5 +1,5 @@
 """Render the end-to-end run record (E2E_RECORD, JSON lines written by
-test_engine.py) as a markdown table: `python tests/e2e/record.py IN.jsonl OUT.md`.
+test_engine.py and test_serve.py) as markdown tables: `python tests/e2e/record.py IN.jsonl OUT.md`.
 The output is generated; notes about a run belong in tests/e2e/runs/<card>/<date>/NOTES.md."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _tp(r: dict) -> str:
 
 
 def _greedy_note(rows: list[dict]) -> str:
-    if any("near_tie" in r["vs_transformers"] for r in rows):
+    if any("near_tie" in r.get("vs_transformers", {}) for r in rows):
         return ("share of greedy tokens that are the oracle's top-1 on the engine's own "
                 "prefix or within the peer's p90 of it (in parentheses: the oracle's "
                 "top-1 exactly)")
@@ -46,8 +46,29 @@ def _greedy_note(rows: list[dict]) -> str:
             "prefix (transformers only)")
 
 
+def _serve(rows: list[dict]) -> list[str]:
+    """test_serve.py's rows: `vllm serve` as SM120 users start it."""
+    if not rows:
+        return []
+    lines = ["", "## vllm serve (--dtype float16, the device reported as SM 12.0)", "",
+             ("Greedy tokens of the reply that are transformers fp32's top-1 on the reply's "
+              "own prefix or within the near-tie of it (in parentheses: its top-1 exactly); "
+              "bar: 0.9."), "",
+             ("| model | GGUF | endpoint | prompt tokens | greedy | near-tie (nats) | "
+              "misses (nats) | pass |"),
+             "|---|---|---|---:|---|---:|---|---|"]
+    for r in rows:
+        misses = ", ".join(f"{g:.3f}" for g in r["greedy_miss_gaps"]) or "none"
+        lines.append(f"| {r['model']} | {r['gguf_type']} | {r['serve']} | "
+                     f"{r['prompt_tokens']} | {r['greedy']:.3f} ({r['greedy_strict']:.3f}) | "
+                     f"{r['near_tie']} | {misses} | {'yes' if r['passed'] else 'NO'} |")
+    return lines
+
+
 def render(rows: list[dict]) -> str:
-    first = rows[0]
+    serve = [r for r in rows if "serve" in r]
+    rows = [r for r in rows if "serve" not in r]
+    first = (rows or serve)[0]
     # records written before the figures were split by top-k selection
     split = any("topk_active" in r.get("vs_transformers", {}) for r in rows)
     lines = [
@@ -95,7 +116,7 @@ def render(rows: list[dict]) -> str:
             + f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | "
             f"{r['start_s']} | {'yes' if r.get('passed') else 'NO'} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _serve(serve)) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,24 @@ def test_committed_table_is_rendered_from_its_data(data):
     assert render(rows) == data.with_suffix(".md").read_text()
 
 
+def test_serve_rows_get_their_own_table():
+    """test_serve.py's rows (E2E_RECORD) render apart from the engine rows,
+    a failing one as such, and leave the engine table as it was."""
+    engine = [json.loads(line) for line in RESULTS[0].read_text().splitlines() if line]
+    serve = [{"model": "glm5", "gguf_type": "q4_k_m", "serve": "/v1/completions",
+              "prompt_tokens": 384, "greedy": 1.0, "greedy_strict": 0.9375,
+              "greedy_miss_gaps": [0.042], "near_tie": 0.15, "passed": True},
+             {"model": "glm5", "gguf_type": "q4_k_m", "serve": "/v1/chat/completions",
+              "prompt_tokens": 99, "greedy": 0.75, "greedy_strict": 0.75,
+              "greedy_miss_gaps": [0.3, 0.5, 0.6, 0.9], "near_tie": 0.15, "passed": False}]
+    text = render(engine[:3] + serve + engine[3:])
+    assert text.startswith(render(engine).rstrip("\n"))
+    tail = text.split("## vllm serve", 1)[1]
+    assert "| /v1/completions | 384 | 1.000 (0.938) | 0.15 | 0.042 | yes |" in tail
+    assert ("| /v1/chat/completions | 99 | 0.750 (0.750) | 0.15 | "
+            "0.300, 0.500, 0.600, 0.900 | NO |") in tail
+
+
 def fake_manifest() -> dict:
     manifest: dict = {"models": {}}
     for model, gguf_type, _ in CASES:

@@ -84,10 +84,17 @@ def oracle(server):
     return transformers_model(hf, gguf, "cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _check_greedy(oracle, prompt: list[int], generated: list[int]) -> None:
-    """At least 90 % of the greedy tokens are fp32's top-1 or within NEAR_TIE of it."""
+def _check_greedy(oracle, prompt: list[int], generated: list[int], record,
+                  endpoint: str) -> None:
+    """At least 90 % of the greedy tokens are fp32's top-1 or within NEAR_TIE
+    of it; the figures go to the run record (E2E_RECORD) either way."""
     gaps = greedy_gaps(transformers_logprobs(oracle, prompt + generated), len(prompt), generated)
     share = (gaps <= NEAR_TIE).float().mean().item()
+    record({"model": MODEL, "gguf_type": GGUF_TYPE, "serve": endpoint,
+            "prompt_tokens": len(prompt), "greedy": round(share, 4),
+            "greedy_strict": round((gaps == 0).float().mean().item(), 4),
+            "greedy_miss_gaps": [round(g, 3) for g in gaps[gaps > 0].tolist()],
+            "near_tie": NEAR_TIE, "passed": share >= 0.9})
     assert share >= 0.9, (
         f"greedy share {share:.3f} < 0.9 (exact {(gaps == 0).float().mean():.3f}); gaps of "
         f"the misses (nats): {[round(g, 3) for g in gaps[gaps > 0].tolist()]}; "
@@ -113,7 +120,7 @@ def test_serve_chose_sm120_path(server):
     assert "DSA indexer: Triton kernels" in log
 
 
-def test_completions(server, oracle):
+def test_completions(server, oracle, record):
     base, hf, _, _ = server
     prompt = prompts()[0]
     # return_token_ids: the tokens themselves (the text drops special tokens)
@@ -125,7 +132,7 @@ def test_completions(server, oracle):
     generated = choice["token_ids"]
     assert len(generated) == MAX_TOKENS
     _check_text(_tokenizer(hf), choice["text"], generated)
-    _check_greedy(oracle, prompt, generated)
+    _check_greedy(oracle, prompt, generated, record, "/v1/completions")
 
     # Streaming: the same tokens and text, delivered as deltas.
     stream = requests.post(f"{base}/v1/completions", json={**body, "stream": True},
@@ -142,7 +149,7 @@ def test_completions(server, oracle):
     assert "".join(pieces) == choice["text"]
 
 
-def test_chat_completions(server, oracle):
+def test_chat_completions(server, oracle, record):
     base, hf, _, _ = server
     tok = _tokenizer(hf)
     words = " ".join(f"<t{t}>" for t in prompts()[1])
@@ -160,4 +167,4 @@ def test_chat_completions(server, oracle):
     generated = choice["token_ids"]
     assert len(generated) == MAX_TOKENS
     _check_text(tok, choice["message"]["content"], generated)
-    _check_greedy(oracle, list(prompt), generated)
+    _check_greedy(oracle, list(prompt), generated, record, "/v1/chat/completions")
