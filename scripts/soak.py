@@ -19,8 +19,9 @@ go to `vllm serve` unchanged (e.g. --tensor-parallel-size 2).
 It passes when every request ends in a completion or a 4xx whose message
 says what was wrong (no 5xx, no request past its deadline); the server
 answers afterwards; the probe's tokens are identical every time; no
-log-probability is NaN or infinite; GPU memory and the server's resident
-memory do not grow over the last half; no stall (no token while requests
+log-probability is NaN or infinite; the server's GPU memory (its
+processes', or the whole GPU's where the driver does not list them) and
+resident memory do not grow over the last half; no stall (no token while requests
 are in flight) is longer than --stall-s; the load preempted requests; and
 the server log holds no traceback. Output in --out: soak.jsonl (one line
 per minute, then the verdict) and soak.md (rendered from it), the server
@@ -88,6 +89,7 @@ class Run:
     preemptions: float | None = None
     alive_after: bool = False
     log_tracebacks: list[str] = field(default_factory=list)
+    gpu_measure: str | None = None  # what gpu_mib counts: _gpu_mib
 
 
 # ---------------------------------------------------------------------------
@@ -409,6 +411,7 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
         "probe_outputs": len(distinct),
         "max_stall_s": round(stall, 2),
         "gpu_mib_growth": round(growth(gpu), 1) if gpu else None,
+        "gpu_measure": run.gpu_measure,
         "rss_mib_growth": round(growth(rss), 1) if rss else None,
         "preemptions": run.preemptions,
         "tracebacks": len(run.log_tracebacks),
@@ -452,16 +455,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_rss_mib(sid: int) -> float | None:
-    total = 0
+def _session_pids(sid: int) -> set[int]:
+    pids = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid:  # session id
-                continue
-            status = (stat.parent / "status").read_text()
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid:  # session id
+                pids.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+def _session_rss_mib(sid: int) -> float | None:
+    total = 0
+    for pid in _session_pids(sid):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
             total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-        except (OSError, AttributeError, IndexError, ValueError):
+        except (OSError, AttributeError, ValueError):
             continue
     return total / 1024 if total else None
 
@@ -483,14 +494,34 @@ def stop_server(server: subprocess.Popen) -> None:
     server.poll()
 
 
-def _gpu_mib() -> float | None:
+def _smi(query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def _gpu_mib(sid: int) -> tuple[float, str] | None:
+    """The server's GPU memory: its processes' where the driver lists them
+    (other work on the GPU does not count), else the whole GPU's (a
+    container whose processes the driver does not see by pid)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout
-        return float(sum(float(x) for x in out.split()))
-    except (OSError, subprocess.SubprocessError, ValueError):
+        ours = _session_pids(sid)
+        apps = [r for r in _smi("--query-compute-apps=pid,used_memory")
+                if r[0].isdigit() and int(r[0]) in ours]
+        if apps:
+            return sum(float(r[1]) for r in apps), "server processes"
+        return sum(float(r[0]) for r in _smi("--query-gpu=memory.used")), "whole GPU"
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def _sample(sid: int, run: Run) -> tuple[float | None, float | None]:
+    gpu = _gpu_mib(sid)
+    if gpu:
+        run.gpu_measure = run.gpu_measure or gpu[1]
+        if gpu[1] != run.gpu_measure:  # one measure a run: the growth compares them
+            gpu = None
+    return (gpu[0] if gpu else None), _session_rss_mib(sid)
 
 
 def _metric(base: str, name: str) -> float | None:
@@ -558,7 +589,7 @@ def main() -> int:
               flush=True)
         t0 = time.monotonic()
         asyncio.run(drive(target, args.minutes * 60, args.max_concurrency, args.seed,
-                          lambda: (_gpu_mib(), _session_rss_mib(server.pid)), run))
+                          lambda: _sample(server.pid, run), run))
         run.preemptions = _metric(target.base, "vllm:num_preemptions_total")
         try:
             run.alive_after = requests.get(target.base + "/health", timeout=10).ok

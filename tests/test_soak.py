@@ -209,3 +209,20 @@ def test_stopping_the_server_copes_with_a_group_already_gone(command):
         server.wait()
     soak.stop_server(server)
     assert server.returncode is not None
+
+
+def test_gpu_memory_is_the_servers_processes_where_the_driver_lists_them(monkeypatch):
+    rows = {"--query-compute-apps=pid,used_memory": [["11", "900"], ["12", "100"], ["99", "5000"]],
+            "--query-gpu=memory.used": [["7000"]]}
+    monkeypatch.setattr(soak, "_smi", rows.__getitem__)
+    monkeypatch.setattr(soak, "_session_pids", lambda sid: {10, 11, 12})
+    assert soak._gpu_mib(10) == (1000.0, "server processes")
+    # a container whose processes the driver does not list by our pids
+    monkeypatch.setattr(soak, "_session_pids", lambda sid: {20})
+    assert soak._gpu_mib(20) == (7000.0, "whole GPU")
+    run = soak.Run()
+    monkeypatch.setattr(soak, "_session_rss_mib", lambda sid: 1.0)
+    assert soak._sample(20, run) == (7000.0, 1.0) and run.gpu_measure == "whole GPU"
+    # the measure may not change within a run: that sample is left out
+    monkeypatch.setattr(soak, "_session_pids", lambda sid: {10, 11, 12})
+    assert soak._sample(10, run) == (None, 1.0)
