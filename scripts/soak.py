@@ -12,7 +12,7 @@ preempts), then drives it from a bounded client: concurrency ramped up to
 chat, streamed and not, n > 1, logprobs, stop strings, clients that
 disconnect mid-stream or abort; and bad input (malformed JSON, prompts
 past max_model_len, huge max_tokens, negative or huge logprobs, an unknown
-model, an empty prompt, token ids past the vocabulary, a wrong content
+model, an empty prompt, token ids past the vocabulary or negative, a wrong content
 type). A fixed greedy probe runs before, during and after. Extra arguments
 go to `vllm serve` unchanged (e.g. --tensor-parallel-size 2).
 
@@ -165,6 +165,8 @@ def bad_requests(target: Target) -> list[tuple[str, str, bytes | dict, str]]:
         ("empty_prompt", "/v1/completions", {**ok, "prompt": ""}, "json"),
         ("token_ids_past_vocab", "/v1/completions",
          {**ok, "prompt": [target.vocab + 100, target.vocab * 1000]}, "json"),
+        ("token_ids_negative", "/v1/completions", {**ok, "prompt": [target.first_token, -1]},
+         "json"),
         ("wrong_content_type", "/v1/completions", json.dumps(ok).encode(), "text"),
     ]
 

@@ -48,6 +48,8 @@ def _app(bug: str | None):
             return reject(400, "the prompt is empty")
         if any(t >= VOCAB for t in prompt):
             return reject(400, "token id out of vocabulary")
+        if any(t < 0 for t in prompt):
+            return reject(400, "token id -1 is negative")
         max_tokens = body.get("max_tokens", 16)
         if len(prompt) + max_tokens > MAX_LEN:
             return reject(400, f"{len(prompt)} + {max_tokens} tokens exceed {MAX_LEN}")
