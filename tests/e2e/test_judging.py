@@ -4,6 +4,8 @@ indexer's top-k selection, and what check_bar lets through."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -140,3 +142,31 @@ def test_decode_parts_allow_the_noise_of_24_unpaired_tokens(part, mean, rel, fai
     ours = _with_decode_part(base, part, mean=mean, rel=rel)
     bad = [m for m in check_bar(ours, peer) if m.startswith(f"decode {part}")]
     assert bool(bad) == fails, bad
+
+
+def test_decode_bars_pair_the_continuations_up_to_where_they_part():
+    # ours flips a near-tie at step 5, then writes another text, on which its
+    # figures are worse; the peer follows the oracle's greedy tokens
+    ours, over_prompt, oracle = _case(decode_error=0.002, flip_at=5)
+    peer = copy.deepcopy(ours)
+    for q, lp, p in zip(peer["prompts"], oracle, prompts()):
+        rows = lp[len(p) - 1 : len(p) - 1 + MAX_TOKENS]
+        q["generated"] = rows.argmax(-1).tolist()
+        q["generated_logprob"] = (rows.max(-1).values - 0.002).tolist()
+    for r in ours["prompts"]:
+        r["generated_logprob"] = [x - (0.3 if j > 5 else 0.0)
+                                  for j, x in enumerate(r["generated_logprob"])]
+    peer_figures = compare(peer, over_prompt, oracle, near_tie=0.35)
+
+    def decode_bars(figures):
+        return [m for m in check_bar(figures, peer_figures) if m.startswith("decode")]
+
+    unpaired = compare(ours, over_prompt, oracle, near_tie=0.35)
+    paired = compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer)
+    assert paired["decode_paired"]["n"] == paired["decode_paired_peer"]["n"] == 2 * 6
+    assert decode_bars(unpaired)
+    assert not decode_bars(paired)
+    # an error before the continuations part still fails
+    for r in ours["prompts"]:
+        r["generated_logprob"][2] -= 0.5
+    assert decode_bars(compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer))
