@@ -607,7 +607,7 @@ def main() -> int:
     head = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "card": smi,
             "vllm": vllm.__version__, "gguf": args.gguf.name, "minutes": args.minutes,
             "max_concurrency": args.max_concurrency, "command": " ".join(
-                ["scripts/soak.py", *sys.argv[1:]]),
+                ["scripts/soak.py", *map(_portable, sys.argv[1:])]),
             "summary": summary, "failures": failures, "passed": not failures}
     rows = [*per_minute(run, t0), head]
     (args.out / "soak.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -616,6 +616,12 @@ def main() -> int:
         "".join(json.dumps(asdict(o)) + "\n" for o in run.outcomes))
     print(render(rows))
     return 0 if not failures else 1
+
+
+def _portable(arg: str) -> str:
+    """An absolute path as its last two parts: the record names the file, not
+    the machine's folders."""
+    return str(Path(*Path(arg).parts[-2:])) if arg.startswith("/") else arg
 
 
 def _gpu_name() -> str | None:

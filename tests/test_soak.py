@@ -228,3 +228,8 @@ def test_gpu_memory_is_the_servers_processes_where_the_driver_lists_them(monkeyp
     # the measure may not change within a run: that sample is left out
     monkeypatch.setattr(soak, "_session_pids", lambda sid: {10, 11, 12})
     assert soak._sample(10, run) == (None, 1.0)
+
+
+def test_the_record_names_files_not_the_machines_folders():
+    assert soak._portable("/some/where/e2e/glm5/glm5-q4_k_m.gguf") == "glm5/glm5-q4_k_m.gguf"
+    assert soak._portable("--minutes") == "--minutes"
