@@ -50,6 +50,10 @@ from oracles import (
 )
 from setups import PEER, SETUPS
 
+# The decode bars pair ours with the peer over the steps their continuations
+# share when every prompt shares at least this many (a third of MAX_TOKENS).
+MIN_PAIRED_STEPS = 8
+
 # The test models' NextN block proposes the target's greedy token about 0.8
 # of the time in fp32 (tests/e2e/models.py, recipe 8); a broken draft path
 # proposes noise (1 in 512).
@@ -175,12 +179,17 @@ def compare(result: dict, oracle: list[torch.Tensor],
             if peer is not None and all("generated_logprob" in r for r in peer["prompts"]):
                 # The steps before the two continuations part, and the step where
                 # they do (the same prefix): after it the texts differ, and so do
-                # the figures, whichever path is right.
-                keep = [_common(r["generated"], q["generated"]) + 1
-                        for r, q in zip(result["prompts"], peer["prompts"])]
-                both = full and all("full" in q for q in peer["prompts"])
-                out["decode_paired"] = _decode(result, greedy_oracle, topk, both, keep)
-                out["decode_paired_peer"] = _decode(peer, greedy_oracle, topk, both, keep)
+                # the figures, whichever path is right. Too few such steps and
+                # one token decides: then each path over its own continuation.
+                shared = [_common(r["generated"], q["generated"])
+                          for r, q in zip(result["prompts"], peer["prompts"])]
+                out["decode_parted_at"] = [None if n == len(r["generated"]) else n
+                                           for n, r in zip(shared, result["prompts"])]
+                if all(n + 1 >= MIN_PAIRED_STEPS for n in shared):
+                    keep = [n + 1 for n in shared]
+                    both = full and all("full" in q for q in peer["prompts"])
+                    out["decode_paired"] = _decode(result, greedy_oracle, topk, both, keep)
+                    out["decode_paired_peer"] = _decode(peer, greedy_oracle, topk, both, keep)
     return out
 
 
@@ -242,7 +251,10 @@ _FLOOR = 0.002
 # against the bar 0.025 at a peer of 0.01. The decode bars compare the steps
 # both continuations share (compare's peer): after a near-tie flip the texts
 # differ (2026-12-02: GLM-5 BF16 fp16 flipped a 0.015-nat tie at step 7 and
-# then looped; 0.028 there against the peer's 0.009 on its own text).
+# then looped; 0.028 there against the peer's 0.009 on its own text). Where
+# they part within MIN_PAIRED_STEPS, each over its own: GLM-5 Q5_K_M fp16
+# parted at step 1, on a flat step (top tokens 0.2 nats apart) where each
+# path's one token is 0.08-0.18 nats off.
 DECODE_MEAN_SLACK = 0.01
 
 

@@ -144,29 +144,47 @@ def test_decode_parts_allow_the_noise_of_24_unpaired_tokens(part, mean, rel, fai
     assert bool(bad) == fails, bad
 
 
-def test_decode_bars_pair_the_continuations_up_to_where_they_part():
-    # ours flips a near-tie at step 5, then writes another text, on which its
-    # figures are worse; the peer follows the oracle's greedy tokens
-    ours, over_prompt, oracle = _case(decode_error=0.002, flip_at=5)
+def _parting(at: int):
+    """Ours flips a near-tie at step `at`, then writes another text on which
+    its figures are worse (0.3 nats a token); the peer follows the oracle's
+    greedy tokens."""
+    ours, over_prompt, oracle = _case(decode_error=0.002, flip_at=at)
     peer = copy.deepcopy(ours)
     for q, lp, p in zip(peer["prompts"], oracle, prompts()):
         rows = lp[len(p) - 1 : len(p) - 1 + MAX_TOKENS]
         q["generated"] = rows.argmax(-1).tolist()
         q["generated_logprob"] = (rows.max(-1).values - 0.002).tolist()
     for r in ours["prompts"]:
-        r["generated_logprob"] = [x - (0.3 if j > 5 else 0.0)
+        r["generated_logprob"] = [x - (0.3 if j > at else 0.0)
                                   for j, x in enumerate(r["generated_logprob"])]
     peer_figures = compare(peer, over_prompt, oracle, near_tie=0.35)
 
     def decode_bars(figures):
         return [m for m in check_bar(figures, peer_figures) if m.startswith("decode")]
 
+    return ours, peer, over_prompt, oracle, decode_bars
+
+
+def test_decode_bars_pair_the_continuations_up_to_where_they_part():
+    ours, peer, over_prompt, oracle, decode_bars = _parting(at=9)
     unpaired = compare(ours, over_prompt, oracle, near_tie=0.35)
     paired = compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer)
-    assert paired["decode_paired"]["n"] == paired["decode_paired_peer"]["n"] == 2 * 6
+    assert paired["decode_parted_at"] == [9, 9]
+    assert paired["decode_paired"]["n"] == paired["decode_paired_peer"]["n"] == 2 * 10
     assert decode_bars(unpaired)
     assert not decode_bars(paired)
     # an error before the continuations part still fails
     for r in ours["prompts"]:
         r["generated_logprob"][2] -= 0.5
     assert decode_bars(compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer))
+
+
+def test_decode_bars_do_not_pair_a_few_steps():
+    # parted at step 1: two shared steps would let one token decide
+    ours, peer, over_prompt, oracle, decode_bars = _parting(at=1)
+    out = compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer)
+    assert out["decode_parted_at"] == [1, 1] and "decode_paired" not in out
+    assert decode_bars(out) == decode_bars(compare(ours, over_prompt, oracle, near_tie=0.35))
+    same = compare(peer, over_prompt, oracle, near_tie=0.35, peer=peer)
+    assert same["decode_parted_at"] == [None, None]
+    assert same["decode_paired"] == same["decode"] == same["decode_paired_peer"]
