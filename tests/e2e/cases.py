@@ -35,7 +35,8 @@ GROUPS = {
     # GLM-5.2's greedy tokens on triton-fp16 missed fp32's by up to 0.53 nats
     # on 2026-11-30 and 12-01 (docs/e2e.md): bf16 and eager tell the dtype,
     # the kernels and CUDA graphs apart
-    ("glm52", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER],
+    ("glm52", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER,
+                       TRITON_FP16_MTP],
     ("glm52", "q4_k_m"): [TRITON_FP16, TRITON_BF16],
     ("dsv32", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
     ("dsv32", "q8_0"): [TRITON_FP16, TRITON_BF16],

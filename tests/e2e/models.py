@@ -163,9 +163,9 @@ MODELS = {
         extra=dict(qk_nope_head_dim=192, v_head_dim=256, **_GLM_KEYS), seed=11,
     ),
     # GLM-5.2: shared layers reuse the previous full layer's top-k and carry
-    # no indexer tensors.
+    # no indexer tensors; its NextN block runs its own indexer ("full").
     "glm52": ModelSpec(
-        "glm52", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", layers=4,
+        "glm52", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", layers=4, mtp_layers=1,
         extra=dict(qk_nope_head_dim=192, v_head_dim=256, **_GLM_KEYS,
                    indexer_types=["full", "shared", "full", "shared"]),
         seed=12,

@@ -60,14 +60,15 @@ def test_models_are_well_conditioned(f32_models):
     assert margin.median() > 0.4, f"top-1/top-2 margin median {margin.median():.2f} nats"
 
 
-def test_mtp_block_drafts_the_targets_tokens(f32_models):
-    """The GLM-5 model's NextN block guesses the target's next-but-one greedy
+@pytest.mark.parametrize("name", [m.name for m in models.MODELS.values() if m.mtp_layers])
+def test_mtp_block_drafts_the_targets_tokens(f32_models, name):
+    """A model's NextN block guesses the target's next-but-one greedy
     token often enough that an MTP run accepts drafts (a random block never
     does, and the path that keeps accepted tokens would go untested): a
     quarter at least in fp32 (judging.MIN_ACCEPTANCE asks 0.15 of the
     engine)."""
     out, manifest = f32_models
-    hf = out / "glm5" / manifest["models"]["glm5"]["hf"]
+    hf = out / name / manifest["models"][name]["hf"]
     target = transformers_class(hf).from_pretrained(
         hf, dtype=torch.float32, attn_implementation="eager").eval()
     hits = total = 0
@@ -81,7 +82,7 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models):
         # the drafts made while generating: from positions len(prompt) - 1 on
         hits += sum(drafts[i] == seq[i + 2] for i in range(len(prompt) - 2, len(seq) - 2))
         total += len(seq) - len(prompt)
-    assert hits / total >= 0.25, f"{hits} of {total} drafts are the target's greedy tokens"
+    assert hits / total >= 0.25, f"{name}: {hits} of {total} drafts are the target's greedy tokens"
 
 
 @pytest.fixture
