@@ -38,6 +38,10 @@ tokens (top-k covers the context).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 import torch
 
 from cases import index_topk, model_paths, prompts
@@ -265,6 +269,18 @@ def _ratio_bar(peer: float) -> float:
 _oracle_cache: dict = {}
 
 
+@functools.cache
+def file_digest(path: Path) -> str:
+    """A GGUF file's sha256 (16 hex digits): files of the same recipe built on
+    two machines can differ (llama.cpp's K-quant search rounds differently
+    on another CPU), and an oracle is only an oracle on the engine's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def oracles_for(manifest, model: str, gguf_type: str):
     """transformers (fp32, this GPU) and llama.cpp (CPU) on one file."""
     key = (model, gguf_type)
@@ -309,9 +325,10 @@ def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
     name of its engine setup."""
     setup = SETUPS[path]
     res = engine_runs[(model, gguf_type, path)]
+    _, gguf = model_paths(manifest, model, gguf_type)
     row = {"model": model, "gguf_type": gguf_type,
            "types": manifest["models"][model]["types"][gguf_type], "path": path,
-           "tp": setup.gpus}
+           "tp": setup.gpus, "gguf_sha256": file_digest(gguf)}
     if "skip" in res:
         return {**row, "skipped": res["skip"]}, []
     if "error" in res:

@@ -155,6 +155,10 @@ def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
     # The block as one more layer (per-layer lists extended), then alone.
     fields = {k: v + v[-1:] if isinstance(v, list) and len(v) == n else v
               for k, v in config.to_dict().items()}
+    if fields.get("indexer_types"):
+        # GLM-5.2: the block has its own indexer (vLLM: a layer past
+        # indexer_types is a full one), whatever the last layer's type
+        fields["indexer_types"][n] = "full"
     block = model_class.from_pretrained(
         hf_dir, config=model_class.config_class(**{**fields, "num_hidden_layers": n + 1}),
         dtype=torch.float32, attn_implementation="eager").eval()

@@ -5,7 +5,9 @@
 ENGINE_DIR is where test_engine.py's engine runs left their files (pytest's
 temporary folder `engine0`: <GGUF stem>-<setup>.out.json and .log). E2E_MODELS
 must hold the same models (`make e2e-models` with the same recipe: the
-manifests must be equal). The oracles run here (transformers fp32, on the CPU
+manifests must be equal); a case whose file here differs from the run's (the
+record's gguf_sha256; K-quant files built on another CPU do) is not judged.
+The oracles run here (transformers fp32, on the CPU
 without a GPU; llama.cpp on the CPU) under the suite's own rules
 (judging.evaluate). For a GPU run whose device time ran out before its
 judging did. --env is that run's E2E_RECORD: the machine's fields (date, card,
@@ -22,7 +24,7 @@ import os
 from pathlib import Path
 
 from cases import CASES, model_paths, models_dir
-from judging import evaluate
+from judging import evaluate, file_digest
 from run_engine import engine_result
 from setups import SETUPS
 
@@ -53,6 +55,31 @@ def engine_runs(engine_dir: Path, manifest: dict, gpus: int) -> dict:
     return runs
 
 
+def differing_files(record: Path, manifest: dict) -> dict:
+    """The cases whose GGUF file here is not the one the run's engines read
+    (the run record's gguf_sha256), each with why. A record without digests
+    (runs before 2026-12-02) is judged as it is, with a warning: quantized
+    files rebuilt on another machine may differ."""
+    ran = {}
+    for line in record.read_text().splitlines():
+        row = json.loads(line)
+        if "path" in row:
+            ran.setdefault((row["model"], row["gguf_type"]), row.get("gguf_sha256"))
+    if ran and not any(ran.values()):
+        print(f"warning: {record} names no file digests: a quantized file built here may "
+              "differ from the run's, and its figures with it", flush=True)
+    out = {}
+    for model, gguf_type, path in CASES:
+        theirs = ran.get((model, gguf_type))
+        if not theirs:
+            continue
+        _, gguf = model_paths(manifest, model, gguf_type)
+        if (ours := file_digest(gguf)) != theirs:
+            out[(model, gguf_type, path)] = (
+                f"not judged: {gguf.name} here (sha256 {ours}) is not the run's ({theirs})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("engine_dir", type=Path)
@@ -67,6 +94,8 @@ def main() -> None:
     machine = {k: first[k] for k in _MACHINE if k in first}
     manifest = json.loads((models_dir() / "manifest.json").read_text())
     runs = engine_runs(args.engine_dir, manifest, int(machine.get("gpus", 1)))
+    for case, why in differing_files(args.env, manifest).items():
+        runs[case] = {"skip": why}
     # Every case "skipped" would read as a judged run.
     if all("skip" in run for run in runs.values()):
         raise SystemExit(f"rejudge.py: {args.engine_dir}: holds no engine run (no "

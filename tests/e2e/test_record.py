@@ -23,7 +23,8 @@ def test_committed_table_is_rendered_from_its_data(data):
 def test_serve_rows_get_their_own_table():
     """test_serve.py's rows (E2E_RECORD) render apart from the engine rows,
     a failing one as such, and leave the engine table as it was."""
-    engine = [json.loads(line) for line in RESULTS[0].read_text().splitlines() if line]
+    engine = [r for r in (json.loads(line) for line in RESULTS[0].read_text().splitlines()
+                          if line) if "serve" not in r]
     serve = [{"model": "glm5", "gguf_type": "q4_k_m", "serve": "/v1/completions",
               "prompt_tokens": 384, "greedy": 1.0, "greedy_strict": 0.9375,
               "greedy_miss_gaps": [0.042], "near_tie": 0.15, "passed": True},
@@ -139,3 +140,32 @@ def test_rejudge_that_fails_part_way_leaves_its_output_file_as_it_was(rejudge_ru
     assert len(judged) == 3
     assert out.read_text() == "the previous rejudge\n"
     assert sorted(p.name for p in tmp_path.glob("rejudged*")) == ["rejudged.jsonl"]
+
+
+def test_rejudge_judges_only_the_files_the_run_read(tmp_path, monkeypatch, capsys):
+    """A GGUF built here that is not the run's (by the record's sha256) is not
+    judged: its oracle would not be the engine's weights."""
+    from judging import file_digest
+    from rejudge import differing_files
+
+    models = tmp_path / "models"
+    (models / "glm5").mkdir(parents=True)
+    monkeypatch.setenv("E2E_MODELS", str(models))
+    manifest = fake_manifest()
+    for gguf_type in ("f16", "q4_k_m"):
+        (models / "glm5" / f"glm5-{gguf_type}.gguf").write_bytes(gguf_type.encode())
+    same = file_digest(models / "glm5" / "glm5-f16.gguf")
+    record = tmp_path / "record.jsonl"
+    rows = [{"model": "glm5", "gguf_type": "f16", "path": "triton-fp16", "gguf_sha256": same},
+            {"model": "glm5", "gguf_type": "q4_k_m", "path": "flashmla-bf16",
+             "gguf_sha256": "0123456789abcdef"}]
+    record.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = differing_files(record, manifest)
+    assert {c for c in out} == {c for c in CASES if c[:2] == ("glm5", "q4_k_m")}
+    assert all("glm5-q4_k_m.gguf here" in why and "0123456789abcdef" in why
+               for why in out.values())
+    # a record from before the digests: judged, with a warning
+    record.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "gguf_sha256"})
+                              + "\n" for r in rows))
+    assert differing_files(record, manifest) == {}
+    assert "names no file digests" in capsys.readouterr().out
