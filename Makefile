@@ -62,7 +62,7 @@ bench:
 
 ## bench-engine: `vllm serve` under `vllm bench serve` on real-width GGUF files (GPU): the series'
 ## path vs upstream's vs llama.cpp, same run -> bench/results/<card>/engine.{jsonl,md};
-## BENCH_ENGINE_ARGS="--quick" (~8 min), "--stage prepare|run", "-- --files glm5-tp8:q8_0"
+## BENCH_ENGINE_ARGS="--quick" (~11 min: each vLLM server takes ~3 min to start), "--stage prepare|run", "-- --files glm5-tp8:q8_0"
 bench-engine:
 	$(SUPERVISE) scripts/run-bench-engine.sh $${BENCH_ENGINE_ARGS:-}
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
 
     def selection(p):
-        p.add_argument("--quick", action="store_true", help="the ~8-minute subset")
+        p.add_argument("--quick", action="store_true", help="the ~11-minute subset")
         p.add_argument("--files", help="<checkpoint>:<type>,... instead of the run's list")
 
     p = sub.add_parser("plan", help="print what a run does")

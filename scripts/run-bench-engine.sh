@@ -8,7 +8,8 @@
 #   scripts/run-bench-engine.sh [--quick] [--stage prepare|run|all] [--results DIR]
 #                               [--no-install] [--no-llama-cpp] [-- bench_engine.py run arguments]
 #     --quick         GLM-5 TP-8 Q4_K_M; single stream 4k, 32 concurrent 2k/512, prefill 16k;
-#                     ours vs upstream vs llama.cpp (~8 min of one H200 for `--stage run`)
+#                     ours vs upstream vs llama.cpp (~11 min of one H200 for `--stage run`: each vLLM server
+#                     takes ~3 min to start, measured 2026-12-02)
 #     --stage         prepare: install, llama.cpp (CUDA) and the GGUF files, in parallel;
 #                     run: the benchmark and engine.md; all (default): both
 #     --results DIR   results root instead of bench/results
