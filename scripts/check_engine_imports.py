@@ -20,6 +20,7 @@ MODULES = (
     "vllm.v1.engine.llm_engine",
     "vllm.entrypoints.openai.api_server",
     "vllm.model_executor.model_loader.gguf_dsa",
+    "vllm.model_executor.layers.quantization.gguf_split_moe",
     "vllm.v1.attention.ops.dsa_indexer_k_cache",
 )
 

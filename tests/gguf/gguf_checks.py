@@ -140,17 +140,19 @@ def write_gguf(
     kv: dict | None = None,
     add: tuple = (),
     retype: dict | None = None,
+    blocks: dict | None = None,
 ) -> Path:
     """Write `tensors` (default: all of `reader`'s) to `dst` with gguf-py's
     writer, with `reader`'s metadata (unless not `metadata`) edited by `kv`
     ({key: (value, type)}, value None drops the key), extra float tensors
-    `add` ((name, array), ...) and tensors of `retype` ({name: type}) stored
-    in another type (zero bytes of the same logical shape)."""
+    `add` ((name, array), ...), tensors of `retype` ({name: type}) stored
+    in another type (zero bytes of the same logical shape) and tensors of
+    `blocks` ({name: (type, uint8 blocks [..., bytes])}) stored as given."""
     import gguf
     import numpy as np
     from gguf import GGUFValueType as VType
 
-    kv, retype = kv or {}, retype or {}
+    kv, retype, blocks = kv or {}, retype or {}, blocks or {}
     arch = str(reader.get_field("general.architecture").contents())
     writer = gguf.GGUFWriter(dst, arch)
     if metadata:
@@ -167,7 +169,10 @@ def write_gguf(
         if value is not None:
             writer.add_key_value(key, value, vtype)
     for tensor in reader.tensors if tensors is None else tensors:
-        if (qtype := retype.get(tensor.name)) is not None:
+        if tensor.name in blocks:
+            qtype, data = blocks[tensor.name]
+            writer.add_tensor(tensor.name, np.asarray(data, np.uint8), raw_dtype=qtype)
+        elif (qtype := retype.get(tensor.name)) is not None:
             shape = [int(d) for d in reversed(tensor.shape)]
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             data = np.zeros((*shape[:-1], shape[-1] // block * size), np.uint8)

@@ -1,7 +1,8 @@
 """GGUF files written by llama.cpp's converter load into the model vLLM
 builds for them, through the real loader (GGUFModelLoader.load_model):
 the quant method each layer gets, fused layers laid out the way their
-forward splits them, GLM-5.2's shared indexers (patches 0008-0010).
+forward splits them, GLM-5.2's shared indexers (patches 0008-0010), routed
+gate and up experts of different types kept apart (0020).
 
 No GPU here: the platform stands in as CUDA SM 12.0 with tensors on the
 CPU. Layers look their kernels up when they are built; loading runs none
@@ -99,6 +100,7 @@ def _cuda_on_cpu():
 def load_model(monkeypatch_module):
     """(GGUF path, HF checkpoint dir) -> the model vLLM builds and loads."""
     # Imported before the platform changes: these register ops per platform.
+    import vllm.model_executor.layers.quantization.gguf_split_moe  # noqa: F401
     import vllm.model_executor.models.deepseek_v2  # noqa: F401
     from vllm.config import (
         DeviceConfig,
@@ -263,6 +265,76 @@ def test_fused_qkv_a_follows_declared_shard_order(
         want = x @ torch.cat(refs).T
         rel = ((out - want).norm() / want.norm()).item()
         assert rel < 2e-2, f"{prefix}: relative error {rel}"
+
+
+def test_gate_and_up_experts_of_different_types_run_split(
+    checkpoints, gguf_files, load_model, monkeypatch, tmp_path
+):
+    """#23: llama.cpp's quantizer gives a layer's gate and up experts types
+    of their own. Layer 1 with gate Q4_K, up Q6_K (random blocks) and down
+    Q8_0 (converted) gets GGUFSplitMoEMethod: each half in its parameter
+    with its type, the file's bytes, and the layer computes SiLU(gate) * up
+    -> down of the file's values; layer 2 (Q8_0 alike) keeps the fused
+    GGUFMoEMethod as before."""
+    import gguf
+    from gguf import GGMLQuantizationType as QType
+    from vllm.model_executor.layers.quantization import gguf_split_moe
+    from vllm.model_executor.layers.quantization.gguf import GGUFMoEMethod
+
+    from gguf_checks import write_gguf
+    from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, random_blocks
+
+    checkpoint = checkpoints["glm"]
+    src = gguf.GGUFReader(gguf_files[("glm", "q8_0")])
+    g = torch.Generator().manual_seed(23)
+    experts, inter, hidden = 4, 64, 256
+    gate_raw, gate = random_blocks("Q4_K", (experts, inter, hidden), g)
+    up_raw, up = random_blocks("Q6_K", (experts, inter, hidden), g)
+    path = write_gguf(
+        tmp_path / "split.gguf",
+        src,
+        blocks={
+            "blk.1.ffn_gate_exps.weight": (QType.Q4_K, gate_raw.numpy()),
+            "blk.1.ffn_up_exps.weight": (QType.Q6_K, up_raw.numpy()),
+        },
+    )
+    file_data = {t.name: torch.from_numpy(t.data.copy()) for t in src.tensors}
+    model = load_model(path, checkpoint.path)
+
+    layer = _layers(model)[1].mlp.experts
+    assert type(layer.quant_method) is gguf_split_moe.GGUFSplitMoEMethod
+    for half, raw, qtype in (("w1", gate_raw, QType.Q4_K), ("w3", up_raw, QType.Q6_K)):
+        qweight = getattr(layer, f"{half}_qweight")
+        assert qweight.dtype == torch.uint8 and torch.equal(qweight, raw), half
+        assert getattr(layer, f"{half}_qweight_type").weight_type == qtype, half
+    down_raw = file_data["blk.1.ffn_down_exps.weight"]
+    assert torch.equal(layer.w2_qweight, down_raw)
+    assert layer.w2_qweight_type.weight_type == QType.Q8_0
+    assert layer.w13_qweight.numel() == 0  # receives both halves, holds none
+
+    fused = _layers(model)[2].mlp.experts
+    assert type(fused.quant_method) is GGUFMoEMethod
+    w13 = torch.cat(
+        [file_data["blk.2.ffn_gate_exps.weight"], file_data["blk.2.ffn_up_exps.weight"]],
+        dim=1,
+    )
+    assert torch.equal(fused.w13_qweight, w13)
+    assert fused.w13_qweight_type.weight_type == QType.Q8_0
+
+    # What the layer computes, its GEMMs on CPU stand-ins of the CUDA ops.
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    monkeypatch.setattr(
+        gguf_split_moe, "fused_moe_gguf_split", gguf_split_moe._fused_moe_gguf_split
+    )
+    x = torch.randn(5, hidden, generator=g).half()
+    topk_ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(5)])
+    topk_weights = torch.rand(5, 2, generator=g) + 0.1
+    out = layer.quant_method.apply(layer, x, topk_weights, topk_ids.int(), None, None)
+    assert kernels.calls == [("vec", "Q4_K"), ("vec", "Q6_K"), ("vec", "Q8_0")]
+    ref = moe_reference(x, gate, up, dequantize(down_raw, "Q8_0"), topk_weights, topk_ids)
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < 4e-3, f"max |err| {err:.3g} of max |ref|"
 
 
 def test_glm52_shared_layers_reuse_the_previous_topk(
