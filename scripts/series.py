@@ -22,6 +22,13 @@
   series.py llama-cpp converter FILE
                                   llama.cpp's converter from that sdist, as the archive
                                   FILE (.tar.gz) that E2E_LLAMA_CPP takes (make wheelhouse)
+  series.py llama-cpp source FILE llama.cpp's source from that sdist, trimmed, as the
+                                  archive FILE (.tar.gz) that LLAMA_CPP_SRC takes
+                                  (make wheelhouse)
+  series.py llama-cpp tools       build llama-quantize, llama-imatrix and llama-gguf-split
+                                  (CPU) from that source once, into the download cache
+                                  (the end-to-end test models' low-bit and split files);
+                                  print their folder
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ import signal
 import sys
 from pathlib import Path
 
-from patchseries import REPO_ROOT, SeriesError, compat, llama_cpp_sdist, rebase
+from patchseries import (
+    REPO_ROOT,
+    SeriesError,
+    compat,
+    llama_cpp_sdist,
+    llama_cpp_tools,
+    rebase,
+)
 from patchseries.fetch import fetch_file
 from patchseries.jobs import jobs_from_environment
 from patchseries.patchfile import format_sections, read_series, series_digest
@@ -114,6 +128,10 @@ def main(argv: list[str]) -> int:
         llama_cpp_sdist.build_wheel(Path(args[1]))
     elif command == "llama-cpp" and len(args) == 2 and args[0] == "converter":
         llama_cpp_sdist.write_converter_archive(Path(args[1]))
+    elif command == "llama-cpp" and len(args) == 2 and args[0] == "source":
+        llama_cpp_tools.pack_source(Path(args[1]))
+    elif command == "llama-cpp" and args == ["tools"]:
+        print(llama_cpp_tools.cpu_tools())
     elif command == "compat":
         compat.compat(args or None)
         print(f"wrote {compat.COMPAT_DOC.relative_to(REPO_ROOT)}")
