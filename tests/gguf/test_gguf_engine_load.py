@@ -5,170 +5,25 @@ forward splits them, GLM-5.2's shared indexers (patches 0008-0010), routed
 gate and up experts of different types kept apart (0020).
 
 No GPU here: the platform stands in as CUDA SM 12.0 with tensors on the
-CPU. Layers look their kernels up when they are built; loading runs none
-of them (the prefill kernel and the _C ops are stand-ins that refuse to
-run).
+CPU (support/gguf_engine_load.py). Layers look their kernels up when they
+are built; loading runs none of them.
 """
 
 from __future__ import annotations
-
-import contextlib
-import sys
-import tempfile
-from pathlib import Path
-from unittest.mock import patch
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from gguf_checks import q8_0_bound
-from support.cuda_without_gpu import CudaPlatform, get_class_without_gpu
-
-
-class _CudaOnCpu(CudaPlatform):
-    """CUDA as the layers see it; tensors stay on the CPU."""
-
-    device_type = "cpu"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        from vllm.platforms.interface import DeviceCapability
-
-        return DeviceCapability(12, 0)
-
-    @classmethod
-    def num_compute_units(cls, device_id: int = 0) -> int:
-        return 188  # RTX PRO 6000 Blackwell
-
-
-class _NoKernels:
-    """torch.ops._C stand-in: layers look kernels up, loading runs none."""
-
-    def __getattr__(self, name: str):
-        def kernel(*args, **kwargs):
-            raise RuntimeError(f"_C.{name} ran in a CPU loading test")
-
-        return kernel
-
-
-class _NoPrefill:
-    def __init__(self, **kwargs) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _cuda_on_cpu():
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    # Modules keep the platform object they imported (other tests may have
-    # patched in their own while importing): switch the class of each.
-    platforms = {
-        id(obj): obj
-        for name, module in list(sys.modules.items())
-        if name.startswith("vllm")
-        and isinstance(obj := getattr(module, "current_platform", None), Platform)
-    }
-    originals = {key: obj.__class__ for key, obj in platforms.items()}
-    for obj in platforms.values():
-        obj.__class__ = _CudaOnCpu
-    try:
-        with (
-            patch.object(torch.ops, "_C", _NoKernels(), create=True),
-            patch("vllm.triton_utils.HAS_TRITON", True),
-            patch.object(AttentionBackendEnum, "get_class", get_class_without_gpu),
-            patch(
-                "vllm.model_executor.layers.attention.mla_attention."
-                "get_mla_prefill_backend",
-                lambda vllm_config: _NoPrefill,
-            ),
-        ):
-            yield
-    finally:
-        for key, obj in platforms.items():
-            obj.__class__ = originals[key]
-        # Choices cached under the stand-in must not reach later tests.
-        from vllm.v1.attention.ops import dsa_indexer_dispatch
-        from vllm.v1.attention.selector import _cached_get_attn_backend
-
-        _cached_get_attn_backend.cache_clear()
-        dsa_indexer_dispatch.use_triton_dsa_indexer.cache_clear()
+from support.gguf_engine_load import engine_loader
 
 
 @pytest.fixture(scope="module")
 def load_model(monkeypatch_module):
     """(GGUF path, HF checkpoint dir) -> the model vLLM builds and loads."""
-    # Imported before the platform changes: these register ops per platform.
-    import vllm.model_executor.layers.quantization.gguf_split_moe  # noqa: F401
-    import vllm.model_executor.models.deepseek_v2  # noqa: F401
-    from vllm.config import (
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import parallel_state
-    from vllm.model_executor.model_loader.gguf_loader import GGUFModelLoader
-
-    monkeypatch_module.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
-    # Triton's unquantized MoE keeps w13 as loaded, [gate; up] per expert
-    # (FlashInfer's would reorder it after loading).
-    monkeypatch_module.setenv("VLLM_USE_FLASHINFER_MOE_FP16", "0")
-
-    def load(path: Path, hf_dir: Path, mtp: bool = False):
-        """mtp: then load the MTP draft of the file, as the engine does:
-        the target first, then the draft with the draft's model config and
-        the same VllmConfig (its quant config and layer names included)."""
-        from vllm.config import ParallelConfig
-        from vllm.config.speculative import SpeculativeConfig
-
-        with _cuda_on_cpu():
-            model_config = ModelConfig(
-                model=str(path),
-                hf_config_path=str(hf_dir),
-                tokenizer=str(hf_dir),
-                skip_tokenizer_init=True,
-                quantization="gguf",
-                dtype=torch.float16,
-                max_model_len=256,
-                enforce_eager=True,
-            )
-            speculative_config = None
-            if mtp:
-                speculative_config = SpeculativeConfig(
-                    method="mtp",
-                    num_speculative_tokens=1,
-                    target_model_config=model_config,
-                    target_parallel_config=ParallelConfig(),
-                )
-            vllm_config = VllmConfig(
-                model_config=model_config,
-                load_config=LoadConfig(load_format="gguf"),
-                device_config=DeviceConfig("cpu"),
-                speculative_config=speculative_config,
-            )
-            with set_current_vllm_config(vllm_config):
-                if not parallel_state.model_parallel_is_initialized():
-                    parallel_state.init_distributed_environment(
-                        world_size=1,
-                        rank=0,
-                        local_rank=0,
-                        distributed_init_method=f"file://{tempfile.mktemp()}",
-                        backend="gloo",
-                    )
-                    parallel_state.initialize_model_parallel(1, 1)
-                loader = GGUFModelLoader(vllm_config.load_config)
-                model = loader.load_model(vllm_config, model_config)
-                if mtp:
-                    draft_config = speculative_config.draft_model_config
-                    model = loader.load_model(vllm_config, draft_config)
-                return model
-
-    yield load
-    parallel_state.destroy_model_parallel()
-    parallel_state.destroy_distributed_environment()
+    with engine_loader(monkeypatch_module) as load:
+        yield load
 
 
 @pytest.fixture(scope="module")
