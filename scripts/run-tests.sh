@@ -45,6 +45,7 @@ if [ -n "${WHEELHOUSE:-}" ]; then
       -r tests/requirements.txt -r tests/requirements-gpu.txt
   fi
   export E2E_LLAMA_CPP=${E2E_LLAMA_CPP:-$WHEELHOUSE/llama.cpp-converter.tar.gz}
+  export LLAMA_CPP_SRC=${LLAMA_CPP_SRC:-$WHEELHOUSE/llama.cpp-src.tar.gz}
 else
   scripts/install-wheel.sh
   [ "${PYTEST_MARK:-}" = gpu ] && "$VENV/bin/python" -m pip install -q -r tests/requirements-gpu.txt

@@ -12,9 +12,11 @@
 # Contents: the series' wheel (make build-wheel), its requirements and
 # tests/requirements.txt resolved by pip for the target, the llama-cpp-python
 # wheel (tests/requirements-gpu.txt) built from the sdist of llama-cpp-pin.txt
-# (CPU build: the tests' llama.cpp oracle and quantizer) and llama.cpp's converter
-# (llama.cpp-converter.tar.gz, for `make e2e-models`). Copy the folder in as
-# many parts as you like; nothing in it is machine-specific but the platform.
+# (CPU build: the tests' llama.cpp oracle and quantizer), llama.cpp's converter
+# (llama.cpp-converter.tar.gz) and its source (llama.cpp-src.tar.gz: `make
+# e2e-models` builds llama-imatrix, llama-quantize and llama-gguf-split from
+# it). Copy the folder in as many parts as you like; nothing in it is
+# machine-specific but the platform.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${WHEELHOUSE:-dist/wheelhouse}
@@ -55,6 +57,7 @@ python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
 step "llama-cpp-python from the pinned sdist (CPU build, portable)"
 python3 scripts/series.py llama-cpp wheel "$tmp"
 python3 scripts/series.py llama-cpp converter "$tmp/llama.cpp-converter.tar.gz"
+python3 scripts/series.py llama-cpp source "$tmp/llama.cpp-src.tar.gz"
 ( cd "$tmp" && ls -1 > MANIFEST.txt )
 rm -rf "$OUT"
 mv "$tmp" "$OUT"

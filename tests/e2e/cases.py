@@ -40,6 +40,20 @@ GROUPS = {
     ("glm52", "q4_k_m"): [TRITON_FP16, TRITON_BF16],
     ("dsv32", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
     ("dsv32", "q8_0"): [TRITON_FP16, TRITON_BF16],
+    # The files users download, made by llama.cpp's own tools (models.TOOL_FILES):
+    # K and IQ types (the IQ ones with the model's importance matrix), a
+    # dynamic mixture (also as users start it), and a split set given by its
+    # first shard.
+    ("glm5", "q2_k"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "q3_k_m"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "iq4_xs"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "iq3_xxs"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "iq2_xxs"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "iq1_m"): [TRITON_FP16, TRITON_BF16],
+    ("glm5", "iq2_xxs-dynamic"): [TRITON_FP16, TRITON_BF16, AUTO_SM120],
+    ("glm5", "q4_k_m-split"): [TRITON_FP16, TRITON_BF16],
+    ("glm52", "iq2_xxs-dynamic"): [TRITON_FP16, TRITON_BF16],
+    ("dsv32", "iq2_xxs-dynamic"): [TRITON_FP16, TRITON_BF16],
 }
 if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
     _wanted = set(os.environ["E2E_GROUPS"].split(","))

@@ -15,13 +15,22 @@ complete):
 - its GGUF files, written by llama.cpp's own converter (F32, F16, BF16,
   Q8_0) and quantized by llama.cpp's own quantizer (llama_model_quantize,
   the code behind llama-quantize) from the F32 file (Q4_K_M, Q5_K_M, Q6_K);
-- manifest.json: models, files and their tensor types.
+- the files users download, made by llama.cpp's own programs (TOOL_FILES):
+  K and IQ mixtures by llama-quantize, the IQ ones with an importance
+  matrix llama-imatrix makes of the F32 file, a "dynamic" mixture of
+  per-tensor types, and a split set by llama-gguf-split;
+- manifest.json: models, files and their tensor types (those of attention
+  and routed-expert weights one by one, and the tensors llama-quantize gave
+  a fallback type because their rows do not fit the type's blocks).
 
 llama.cpp's converter comes from the llama-cpp-python sdist of
 llama-cpp-pin.txt (fetched and cached like the other downloads) or, on a
 machine without a package index, from E2E_LLAMA_CPP (the converter archive
 `make wheelhouse` writes); the quantizer is the llama_cpp package built from
-that same sdist (scripts/patchseries/llama_cpp_sdist.py).
+that same sdist (scripts/patchseries/llama_cpp_sdist.py); llama-imatrix,
+llama-quantize and llama-gguf-split are built once from its source (or
+LLAMA_CPP_SRC, the archive `make wheelhouse` writes) by
+scripts/patchseries/llama_cpp_tools.py.
 
 Why "well-conditioned": random initialisation at the usual 0.02 gives flat
 logits and sub-layers that barely move the residual stream, so any rounding
@@ -86,6 +95,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -95,6 +105,65 @@ from pathlib import Path
 # Types written by the converter, then types made by llama.cpp's quantizer.
 CONVERTED = ("f32", "f16", "bf16", "q8_0")
 QUANTIZED = ("q4_k_m", "q5_k_m", "q6_k")
+
+
+@dataclass(frozen=True)
+class ToolFile:
+    """A file made by llama.cpp's command-line tools as published files are
+    (tests/support/llama_cpp_quantize.py): llama-quantize's type argument,
+    whether an importance matrix of the model goes with it, per-tensor
+    types (--tensor-type PATTERN=TYPE, the first pattern in a tensor's name
+    wins) and the type its routed gate/up experts must carry; or a split
+    set of another file (split_of) in `shards` shards by llama-gguf-split."""
+    ftype: str = ""
+    experts: str = ""
+    imatrix: bool = False
+    tensor_types: tuple[tuple[str, str], ...] = ()
+    token_embedding_type: str | None = None
+    output_tensor_type: str | None = None
+    split_of: str | None = None
+    shards: int = 0
+
+
+# A "dynamic" mixture like the published UD files: attention (the indexer
+# with it) and the MTP block Q8_0, shared experts Q6_K, routed gate/up
+# experts IQ2_XXS, routed down a step higher, the leading dense layers (the
+# only plain ffn_gate/up/down tensors) higher still.
+DYNAMIC = (
+    (r"ffn_(gate|up)_exps", "IQ2_XXS"),
+    (r"ffn_down_exps", "IQ3_XXS"),
+    (r"ffn_(gate|up|down)_shexp", "Q6_K"),
+    (r"ffn_(gate|up|down)\.weight", "Q4_K"),
+    (r"attn_|indexer\.|nextn\.", "Q8_0"),
+)
+
+# Types made by llama.cpp's tools (the IQ types, and the dynamic mixture,
+# with the model's own importance matrix: IQ1/IQ2/IQ3_XXS refuse to
+# quantize without one). Every tensor these types quantize has rows of a
+# multiple of 256 (the K and IQ blocks) but attn_k_b (qk_nope_head_dim
+# columns: 192 in GLM-5, 128 in DeepSeek-V3.2, as in the real models), which
+# the quantizer gives a 32-block type instead; the manifest records it.
+TOOL_FILES = {
+    "q2_k": ToolFile("Q2_K", "Q2_K"),
+    "q3_k_m": ToolFile("Q3_K_M", "Q3_K"),
+    "iq4_xs": ToolFile("IQ4_XS", "IQ4_XS", imatrix=True),
+    "iq3_xxs": ToolFile("IQ3_XXS", "IQ3_XXS", imatrix=True),
+    "iq2_xxs": ToolFile("IQ2_XXS", "IQ2_XXS", imatrix=True),
+    "iq1_m": ToolFile("IQ1_M", "IQ1_M", imatrix=True),
+    "iq2_xxs-dynamic": ToolFile("IQ2_XXS", "IQ2_XXS", imatrix=True, tensor_types=DYNAMIC,
+                                token_embedding_type="Q4_K", output_tensor_type="Q6_K"),
+    "q4_k_m-split": ToolFile(split_of="q4_k_m", shards=3),
+}
+LOW_BIT = tuple(TOOL_FILES)
+
+# llama-imatrix runs the model without its NextN (MTP) block, and the
+# quantizer refuses IQ1/IQ2/IQ3_XXS tensors without importance data: files
+# made with an importance matrix keep that block in NEXTN_TYPE.
+NEXTN_TYPE = "Q8_0"
+
+# The importance matrix's calibration text: random text tokens (as the test
+# prompts are), in chunks as long as the long prompt.
+CALIBRATION = dict(tokens=3072, ctx=384, seed=7)
 
 VOCAB = 512
 BOS, EOS = 0, 1
@@ -179,7 +248,9 @@ MODELS = {
 
 
 def _recipe_hash(spec: ModelSpec) -> str:
-    blob = json.dumps([RECIPE, asdict(spec), _COMMON], sort_keys=True)
+    tool_files = {t: asdict(f) for t, f in TOOL_FILES.items()}
+    blob = json.dumps([RECIPE, asdict(spec), _COMMON, tool_files, CALIBRATION, NEXTN_TYPE],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -425,10 +496,35 @@ def quantize(src: Path, dst: Path, qtype: str) -> None:
     tmp.rename(dst)
 
 
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shards(path: Path) -> list[Path]:
+    """Every file of the GGUF set that `path` (a single file or the first
+    shard, <stem>-00001-of-0000N.gguf, as llama.cpp names them) belongs to."""
+    m = _SHARD.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
 def tensor_types(path: Path) -> dict[str, str]:
+    """GGUF tensor -> type name, over every shard of a split set."""
     from gguf import GGUFReader
 
-    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    return {t.name: t.tensor_type.name for f in shards(path) for t in GGUFReader(f).tensors}
+
+
+# The tensors whose types the manifest lists one by one: the weights of
+# attention (the indexer's with it) and of the routed experts.
+_LISTED = re.compile(r"blk\.\d+\.(attn_\w+|indexer\.\w+|ffn_\w+_exps)\.weight")
+
+
+def listed_types(types: dict[str, str]) -> dict[str, str]:
+    """The manifest's tensor-by-tensor record of a file's types."""
+    return {name: t for name, t in sorted(types.items())
+            if _LISTED.fullmatch(name) and not name.endswith("norm.weight")}
 
 
 def convert(converter: Path, jobs: Path) -> None:
@@ -448,6 +544,60 @@ def converter_dir(work: Path) -> Path:
     return converter_dir(work)
 
 
+def tools_dir() -> Path:
+    """llama.cpp's llama-imatrix, llama-quantize and llama-gguf-split (built
+    once, scripts/patchseries/llama_cpp_tools.py)."""
+    from patchseries.llama_cpp_tools import cpu_tools
+
+    return cpu_tools()
+
+
+# Threads llama.cpp's tools run on.
+TOOL_THREADS = 4
+
+
+def calibration_tokens() -> list[int]:
+    import random
+
+    rng = random.Random(CALIBRATION["seed"])
+    return [rng.randint(FIRST_TEXT_TOKEN, VOCAB - 1) for _ in range(CALIBRATION["tokens"])]
+
+
+def make_imatrix(tools: Path, model: Path, out: Path) -> None:
+    from support import llama_cpp_quantize
+
+    llama_cpp_quantize.imatrix(tools, model, llama_cpp_quantize.token_text(calibration_tokens()),
+                               out, CALIBRATION["ctx"], TOOL_THREADS)
+
+
+def tool_quantize(tools: Path, src: Path, dst: Path, recipe: ToolFile, imatrix: Path | None,
+                  nextn_layer: int | None) -> dict[str, dict]:
+    """llama-quantize as `recipe` says; returns the tensors it gave another
+    type than it meant to (llama_cpp_quantize.quantize)."""
+    from support import llama_cpp_quantize
+
+    tensor_types = recipe.tensor_types
+    if imatrix is not None and nextn_layer is not None:
+        tensor_types = ((rf"blk\.{nextn_layer}\.", NEXTN_TYPE), *tensor_types)
+    return llama_cpp_quantize.quantize(
+        tools, src, dst, recipe.ftype, TOOL_THREADS, imatrix=imatrix,
+        tensor_types=tensor_types, token_embedding_type=recipe.token_embedding_type,
+        output_tensor_type=recipe.output_tensor_type)
+
+
+def split_file(tools: Path, src: Path, prefix: Path, shards: int) -> list[Path]:
+    """llama-gguf-split: `src` in `shards` shards of about equal tensor counts."""
+    from support import llama_cpp_quantize
+
+    n = len(tensor_types(src))
+    return llama_cpp_quantize.split(tools, src, prefix, -(-n // shards))
+
+
+def _file_names(mdir: Path, name: str) -> list[str]:
+    """The files of a type: name, or the shards of the set it is the first of."""
+    return [p.name for p in shards(mdir / name)]
+
+
 def _mismatch(entry: dict | None, mdir: Path, recipe: str, types: tuple[str, ...]) -> str:
     """Why a model folder is not what `build` would make ("" when it is): its
     manifest entry is checked against the files it names."""
@@ -458,11 +608,17 @@ def _mismatch(entry: dict | None, mdir: Path, recipe: str, types: tuple[str, ...
     if not (mdir / entry["hf"] / "config.json").is_file():
         return f"{entry['hf']}/config.json is missing"
     for t, name in entry["gguf"].items():
-        if name != f"{mdir.name}-{t}.gguf":
+        stem = f"{mdir.name}-{t}"
+        names = _file_names(mdir, name)
+        if name != f"{stem}.gguf" and names != entry.get("shards", {}).get(t):
             return f"{t} names {name}"
-        if not (mdir / name).is_file():
-            return f"{name} is missing"
-        if sorted(set(tensor_types(mdir / name).values())) != entry["types"].get(t):
+        if not all(n.startswith(stem) for n in names):
+            return f"{t} names {names}"
+        if lacking := [n for n in names if not (mdir / n).is_file()]:
+            return f"{', '.join(lacking)} missing"
+        types_of = tensor_types(mdir / name)
+        if (sorted(set(types_of.values())) != entry["types"].get(t)
+                or listed_types(types_of) != entry.get("tensor_types", {}).get(t)):
             return f"{name} holds other tensor types than the manifest says"
     return ""
 
@@ -473,17 +629,24 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED) -> dict:
+def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED + LOW_BIT,
+          names: tuple[str, ...] | None = None) -> dict:
+    """The models (those of `names`, default all) with files of `types` in
+    `out`; returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     manifest: dict = {"models": {}}
     with tempfile.TemporaryDirectory() as work:
-        converter = None
+        converter = tools = None
         for spec in MODELS.values():
             recipe = _recipe_hash(spec)
             mdir = out / spec.name
             entry = old.get("models", {}).get(spec.name)
+            if names is not None and spec.name not in names:
+                if entry:  # another model's entry, left as it is
+                    manifest["models"][spec.name] = entry
+                continue
             if not (why := _mismatch(entry, mdir, recipe, types)):
                 print(f"[e2e-models] {spec.name}: up to date", flush=True)
                 manifest["models"][spec.name] = entry
@@ -492,13 +655,16 @@ def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED) -> dict:
                 print(f"[e2e-models] {spec.name}: rebuilt ({why})", flush=True)
             if converter is None:
                 converter = converter_dir(Path(work))
-            manifest["models"][spec.name] = _build_model(spec, recipe, mdir, converter, types)
+            if tools is None and set(types) & set(TOOL_FILES):
+                tools = tools_dir()
+            manifest["models"][spec.name] = _build_model(spec, recipe, mdir, converter, tools,
+                                                         types)
             _write_json(manifest_path, manifest)
     _write_json(manifest_path, manifest)
     return manifest
 
 
-def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
+def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path, tools: Path | None,
                  types: tuple[str, ...]) -> dict:
     """Build one model in <mdir>.partial and put it in mdir's place once
     complete: a failed or interrupted build leaves no half-written model.
@@ -510,9 +676,12 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
         hf = tmp / "hf"
         hf.mkdir(parents=True)
         build_checkpoint(spec, hf)
-        # F32 is the quantizer's input.
-        needs_f32 = bool(set(types) & set(QUANTIZED))
-        converted = [t for t in CONVERTED if t in types or (t == "f32" and needs_f32)]
+        # The file a split set is cut from is made too; F32 is every quantizer's input.
+        wanted = set(types) | {TOOL_FILES[t].split_of for t in types
+                               if t in TOOL_FILES and TOOL_FILES[t].split_of}
+        tool_made = [t for t in TOOL_FILES if t in wanted]
+        needs_f32 = bool(wanted & set(QUANTIZED)) or any(TOOL_FILES[t].ftype for t in tool_made)
+        converted = [t for t in CONVERTED if t in wanted or (t == "f32" and needs_f32)]
         jobs = [{"model": str(hf), "outtype": t, "outfile": str(tmp / f"{spec.name}-{t}.gguf")}
                 for t in converted]
         (tmp / "jobs.json").write_text(json.dumps(jobs))
@@ -520,7 +689,7 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
               flush=True)
         convert(converter, tmp / "jobs.json")
         files = {t: f"{spec.name}-{t}.gguf" for t in converted}
-        for q in (t for t in QUANTIZED if t in types):
+        for q in (t for t in QUANTIZED if t in wanted):
             print(f"[e2e-models] {spec.name}: llama.cpp quantizer -> {q}", flush=True)
             quantize(tmp / files["f32"], tmp / f"{spec.name}-{q}.gguf", q)
             files[q] = f"{spec.name}-{q}.gguf"
@@ -529,9 +698,46 @@ def _build_model(spec: ModelSpec, recipe: str, mdir: Path, converter: Path,
             "layers": spec.layers,
             "mtp_layers": spec.mtp_layers,
             "hf": "hf",
-            "gguf": files,
-            "types": {t: sorted(set(tensor_types(tmp / f).values())) for t, f in files.items()},
         }
+        imatrix = None
+        if any(TOOL_FILES[t].imatrix for t in tool_made):
+            imatrix = tmp / f"{spec.name}-imatrix.gguf"
+            print(f"[e2e-models] {spec.name}: llama-imatrix ({CALIBRATION['tokens']} tokens)",
+                  flush=True)
+            make_imatrix(tools, tmp / files["f32"], imatrix)
+            entry["imatrix"] = {"file": imatrix.name, **CALIBRATION}
+        fallback, shard_names = {}, {}
+        for t in tool_made:
+            recipe_t = TOOL_FILES[t]
+            out = tmp / f"{spec.name}-{t}.gguf"
+            if recipe_t.split_of:
+                print(f"[e2e-models] {spec.name}: llama-gguf-split {recipe_t.split_of} -> {t}",
+                      flush=True)
+                made = split_file(tools, tmp / files[recipe_t.split_of], out.with_suffix(""),
+                                  recipe_t.shards)
+                files[t] = made[0].name
+                shard_names[t] = [p.name for p in made]
+                continue
+            print(f"[e2e-models] {spec.name}: llama-quantize -> {t}", flush=True)
+            fallback[t] = tool_quantize(tools, tmp / files["f32"], out, recipe_t,
+                                        imatrix if recipe_t.imatrix else None,
+                                        spec.layers if spec.mtp_layers else None)
+            files[t] = out.name
+        types_of = {t: tensor_types(tmp / f) for t, f in files.items()}
+        entry.update({
+            "gguf": files,
+            "types": {t: sorted(set(v.values())) for t, v in types_of.items()},
+            # what llama.cpp gave attention and routed experts, tensor by tensor
+            "tensor_types": {t: listed_types(v) for t, v in types_of.items()},
+        })
+        if shard_names:
+            entry["shards"] = shard_names
+        if fallback:
+            # llama-quantize's files: the type their routed gate/up experts
+            # are named for, and the tensors whose rows did not fit the type
+            # the quantizer meant to give them, with the type they got instead
+            entry["named"] = {t: TOOL_FILES[t].experts for t in fallback}
+            entry["fallback"] = fallback
         shutil.rmtree(mdir, ignore_errors=True)
         os.rename(tmp, mdir)
     except BaseException:

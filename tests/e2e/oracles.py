@@ -51,13 +51,16 @@ _GLOBAL_MAP = {
 
 
 def gguf_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a GGUF file, dequantized to float32, in numpy order
-    (the reverse of GGUF's ne order, i.e. the checkpoint's shape)."""
+    """Every tensor of a GGUF file (of every shard, for a split set's first),
+    dequantized to float32, in numpy order (the reverse of GGUF's ne order,
+    i.e. the checkpoint's shape)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from models import shards
+
     out = {}
-    for t in GGUFReader(path).tensors:
+    for t in (t for f in shards(path) for t in GGUFReader(f).tensors):
         data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         out[t.name] = np.array(data, dtype=np.float32).reshape(shape)  # writable copy

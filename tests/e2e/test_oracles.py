@@ -87,10 +87,31 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models, name):
 
 @pytest.fixture
 def fake_tools(tmp_path, monkeypatch):
-    """models.build with stand-ins for transformers, llama.cpp's converter and
-    quantizer: each GGUF file holds its type's name, which is also its one
-    tensor type. FAIL_CONVERT=<model> makes the converter fail for it."""
+    """models.build with stand-ins for transformers, llama.cpp's converter,
+    quantizer and tools (llama-imatrix, llama-quantize, llama-gguf-split):
+    each GGUF file holds its type's name (a shard: the name of the file it
+    was split from), which is also its one tensor type. FAIL_CONVERT=<model>
+    makes the converter fail for it. Returns the models built, in order, and
+    "tools" where the tools' folder was asked for."""
     built = []
+
+    def tool_quantize(tools, src, dst, recipe, imatrix, nextn_layer):
+        assert (imatrix is not None) == recipe.imatrix
+        assert imatrix is None or imatrix.is_file()
+        dst.write_text(recipe.ftype)
+        return {}
+
+    def split_file(tools, src, prefix, shards):
+        made = [prefix.with_name(f"{prefix.name}-{i:05d}-of-{shards:05d}.gguf")
+                for i in range(1, shards + 1)]
+        for shard in made:
+            shard.write_text(src.read_text())
+        return made
+
+    monkeypatch.setattr(models, "tools_dir", lambda: built.append("tools") or tmp_path)
+    monkeypatch.setattr(models, "make_imatrix", lambda tools, model, out: out.write_text("m"))
+    monkeypatch.setattr(models, "tool_quantize", tool_quantize)
+    monkeypatch.setattr(models, "split_file", split_file)
 
     def checkpoint(spec, path):
         built.append(spec.name)
@@ -139,6 +160,32 @@ def test_manifest_is_checked_against_the_files_it_names(fake_tools, tmp_path):
     (out / "manifest.json").write_text(json.dumps(broken))
     assert models.build(out, types=("f32", "f16")) == manifest
     assert fake_tools == ["glm5", "glm52"]
+
+
+def test_tool_files_and_split_sets_in_the_manifest(fake_tools, tmp_path):
+    """Files of llama.cpp's tools: the importance matrix made where a type
+    needs it, a split set named by its first shard with its shards listed
+    (the file it is split from made too); a set missing a shard is rebuilt."""
+    out = tmp_path / "e2e"
+    manifest = models.build(out, types=("iq2_xxs", "q4_k_m-split"), names=("glm5",))
+    assert fake_tools == ["tools", "glm5"]
+    entry = manifest["models"]["glm5"]
+    shards = [f"glm5-q4_k_m-split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert entry["gguf"] == {"f32": "glm5-f32.gguf", "q4_k_m": "glm5-q4_k_m.gguf",
+                             "iq2_xxs": "glm5-iq2_xxs.gguf", "q4_k_m-split": shards[0]}
+    assert entry["shards"] == {"q4_k_m-split": shards}
+    assert entry["types"]["q4_k_m-split"] == ["Q4_K_M"]
+    assert entry["imatrix"]["file"] == "glm5-imatrix.gguf"
+    assert (out / "glm5" / "glm5-imatrix.gguf").is_file()
+    assert entry["named"] == {"iq2_xxs": "IQ2_XXS"} and entry["fallback"] == {"iq2_xxs": {}}
+    fake_tools.clear()
+    assert models.build(out, types=("iq2_xxs", "q4_k_m-split"), names=("glm5",)) == manifest
+    assert fake_tools == []
+    (out / "glm5" / shards[1]).unlink()
+    assert models.build(out, types=("iq2_xxs", "q4_k_m-split"), names=("glm5",)) == manifest
+    assert fake_tools == ["tools", "glm5"]
+    # a model left out keeps its entry
+    assert list(models.build(out, types=("f32",), names=()).get("models")) == ["glm5"]
 
 
 # The decisive top-k (models.py, RECIPE 9): the indexer's choice must matter,
