@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from cases import index_topk, model_paths, prompts
+from models import shards
 from oracles import (
     generated_logprobs,
     greedy_gaps,
@@ -271,13 +272,15 @@ _oracle_cache: dict = {}
 
 @functools.cache
 def file_digest(path: Path) -> str:
-    """A GGUF file's sha256 (16 hex digits): files of the same recipe built on
-    two machines can differ (llama.cpp's K-quant search rounds differently
-    on another CPU), and an oracle is only an oracle on the engine's bytes."""
+    """A GGUF file's sha256 (16 hex digits; of all its shards, for a split
+    set's first): files of the same recipe built on two machines can differ
+    (llama.cpp's K-quant search rounds differently on another CPU), and an
+    oracle is only an oracle on the engine's bytes."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
+    for shard in shards(path):
+        with open(shard, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
     return h.hexdigest()[:16]
 
 

@@ -100,17 +100,18 @@ def quantize(tools: Path, src: Path, dst: Path, ftype: str, threads: int, *,
     try:
         log = _run([*cmd, str(src), str(tmp), ftype, str(threads)],
                    f"llama-quantize {src.name} -> {ftype}")
+        fallback = {m["tensor"]: {"wanted": m["wanted"].upper(), "got": m["got"].upper(),
+                                  "columns": int(m["cols"]), "block": int(m["block"])}
+                    for m in _FALLBACK.finditer(log)}
+        counted = _FALLBACK_COUNT.search(log)
+        if len(fallback) != (int(counted["n"]) if counted else 0):
+            # The quantizer's words changed: a fallback must not go unrecorded.
+            raise RuntimeError(
+                f"llama-quantize {dst.name}: read {len(fallback)} fallback tensors from its "
+                f"output, it says {counted[0] if counted else 'none'}")
         tmp.rename(dst)
     finally:
         tmp.unlink(missing_ok=True)
-    fallback = {m["tensor"]: {"wanted": m["wanted"].upper(), "got": m["got"].upper(),
-                              "columns": int(m["cols"]), "block": int(m["block"])}
-                for m in _FALLBACK.finditer(log)}
-    counted = _FALLBACK_COUNT.search(log)
-    if len(fallback) != (int(counted["n"]) if counted else 0):
-        # The quantizer's words changed: a silent fallback must not go unrecorded.
-        raise RuntimeError(f"llama-quantize {dst.name}: read {len(fallback)} fallback tensors "
-                           f"from its output, it says {counted[0] if counted else 'none'}")
     return fallback
 
 
