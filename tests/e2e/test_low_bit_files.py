@@ -63,8 +63,11 @@ _EXPS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 def built(tmp_path_factory):
     """The models of FILES with those files, as `make e2e-models` builds them."""
     out = tmp_path_factory.mktemp("e2e")
-    names = tuple(sorted({m for m, _ in FILES}))
-    return out, models.build(out, types=tuple(sorted({t for _, t in FILES})), names=names)
+    manifest = {}
+    for name in sorted({m for m, _ in FILES}):
+        manifest = models.build(out, types=tuple(t for m, t in FILES if m == name),
+                                names=(name,))
+    return out, manifest
 
 
 def _file(built, model: str, gguf_type: str):
