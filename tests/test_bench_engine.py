@@ -200,8 +200,8 @@ def micro(name: str) -> specs.Spec:
 def test_transformers_loads_the_checkpoint_exactly(tmp_path, name):
     """Our tensor list is the original checkpoint format: transformers
     builds the model from config.json and finds every tensor, no more."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
     from engine import build, weights
@@ -210,21 +210,26 @@ def test_transformers_loads_the_checkpoint_exactly(tmp_path, name):
     build.write_hf(s, tmp_path)
     save_file({t.name: weights.make(s, t) for t in specs.hf_tensors(s)},
               tmp_path / "model.safetensors", metadata={"format": "pt"})
-    # The architecture's own class: once vLLM is imported (other tests do),
-    # AutoConfig maps deepseek_v32 to vLLM's config class and AutoModel
-    # builds a model without the indexer.
-    import json
+    # In a process of its own, as a user of the checkpoint has it: vLLM,
+    # once other tests imported it, registers its own config classes with
+    # transformers for the whole process (deepseek_v32 -> DeepseekV3Config).
+    check = f"""
+import json, torch, transformers
+arch = json.loads(open("{tmp_path}/config.json").read())["architectures"][0]
+model, info = getattr(transformers, arch).from_pretrained(
+    "{tmp_path}", output_loading_info=True, dtype=torch.float32)
+assert not info["missing_keys"] and not info["unexpected_keys"], info
+assert torch.isfinite(model(torch.arange(8, 40)[None]).logits).all()
+tok = transformers.AutoTokenizer.from_pretrained("{tmp_path}")
+assert tok.eos_token_id == {s.vocab - 1} and tok.num_special_tokens_to_add() == 0
+ids = list(range(400, 460))
+assert tok(tok.decode(ids), add_special_tokens=False).input_ids == ids
+"""
+    import subprocess
+    import sys
 
-    arch = json.loads((tmp_path / "config.json").read_text())["architectures"][0]
-    model, info = getattr(transformers, arch).from_pretrained(
-        tmp_path, output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    out = model(torch.arange(8, 40)[None]).logits
-    assert torch.isfinite(out).all()
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert tok.eos_token_id == s.vocab - 1 and tok.num_special_tokens_to_add() == 0
-    ids = list(range(400, 460))
-    assert tok(tok.decode(ids), add_special_tokens=False).input_ids == ids
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def _llama_cpp_or_skip():
