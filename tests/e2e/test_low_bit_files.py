@@ -38,9 +38,23 @@ def _tools_built() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(
-    not _tools_built(),
-    reason="llama.cpp's tools are not built: python3 scripts/series.py llama-cpp tools")
+def _llama_cpp_importable() -> bool:
+    # the converter and the binding-made files need llama-cpp-python
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        not _tools_built(),
+        reason="llama.cpp's tools are not built: python3 scripts/series.py llama-cpp tools"),
+    pytest.mark.skipif(
+        not _llama_cpp_importable(),
+        reason="llama_cpp (llama-cpp-python, tests/requirements-gpu.txt) not importable"),
+]
 
 # Every file of the engine matrix that llama.cpp's tools make.
 FILES = [(m, t) for m, t in GROUPS if t in models.TOOL_FILES]
