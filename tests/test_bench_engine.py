@@ -597,3 +597,12 @@ def test_run_script_and_make_target():
     assert "scripts/supervise.py scripts/run-bench-engine.sh ${BENCH_ENGINE_ARGS:-}" in r.stdout
     help_lines = (REPO / "Makefile").read_text()
     assert "## bench-engine:" in help_lines
+
+
+def test_recorded_commands_name_no_machine_path():
+    from engine.run import _shown
+
+    cmd = ["/some/env/bin/python3.12", "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--endpoint", "/v1/completions", "--result-dir", "/some/where/work/results"]
+    assert _shown(cmd) == ("python3 -m vllm.entrypoints.cli.main bench serve "
+                           "--endpoint /v1/completions --result-dir '…/work/results'")

@@ -67,8 +67,18 @@ def _shown(cmd: list[str], env_extra: dict | None = None) -> str:
     pre = " ".join(f"{k}={v}" for k, v in sorted((env_extra or {}).items()) if k != "PYTHONPATH")
     if env_extra and "PYTHONPATH" in env_extra:
         pre = (pre + " PYTHONPATH=tests/e2e/report_sm").strip()
-    text = " ".join(shlex.quote(portable_path(c)) for c in cmd)
-    return f"{pre} {text}".strip()
+    shown = []
+    for i, c in enumerate(cmd):
+        if i == 0 and Path(c).name.startswith("python"):
+            c = "python3"  # the interpreter's path is the machine's
+        elif i == 0 or cmd[i - 1] not in _NOT_PATHS:
+            c = portable_path(c)
+        shown.append(shlex.quote(c))
+    return f"{pre} {' '.join(shown)}".strip()
+
+
+# Options whose value starts with "/" and is no file: shown as given.
+_NOT_PATHS = ("--endpoint",)
 
 
 class Server:
