@@ -422,8 +422,10 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
 
 
 def tracebacks(log: str) -> list[str]:
-    return [m.group(0) for m in re.finditer(
-        r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*.*", log)]
+    """The server log's tracebacks, their files named from the package on
+    (site-packages/vllm/..., not the machine's folders)."""
+    return [re.sub(r'File "[^"]*/(site-packages|dist-packages)/', r'File "\1/', m.group(0))
+            for m in re.finditer(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*.*", log)]
 
 
 def render(rows: list[dict]) -> str:

@@ -177,6 +177,16 @@ def test_silent_4xx_dead_server_no_preemption_and_tracebacks_fail():
         assert expect in text, failures
 
 
+def test_tracebacks_name_files_from_the_package_on():
+    log = ('ERROR Traceback (most recent call last):\n'
+           '  File "/some/venv/lib/python3.12/site-packages/vllm/v1/engine/async_llm.py", '
+           'line 660, in output_handler\n'
+           '  File "/usr/lib/python3/dist-packages/x.py", line 1, in f\nValueError: x\n')
+    (tb,) = soak.tracebacks(log)
+    assert 'File "site-packages/vllm/v1/engine/async_llm.py"' in tb
+    assert 'File "dist-packages/x.py"' in tb and "/some/venv" not in tb and "/usr/lib" not in tb
+
+
 def test_logprob_check_sees_nan_and_inf_anywhere():
     good = {"choices": [{"logprobs": {"content": [{"logprob": -1.0, "bytes": [60],
                                                    "top_logprobs": [{"logprob": -2.0}]}]}}]}
