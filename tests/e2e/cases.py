@@ -58,8 +58,12 @@ GROUPS = {
 if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
     _wanted = set(os.environ["E2E_GROUPS"].split(","))
     GROUPS = {k: v for k, v in GROUPS.items() if f"{k[0]}:{k[1]}" in _wanted}
+# e.g. "triton-fp16,triton-fp16-mtp": only these setups, and the peer they are
+# held to
+_SETUPS = set(filter(None, os.environ.get("E2E_SETUPS", "").split(",")))
 # (model, GGUF type, setup name), the peer first on each file
-CASES = [(m, t, s.name) for (m, t), setups in GROUPS.items() for s in [PEER, *setups]]
+CASES = [(m, t, s.name) for (m, t), setups in GROUPS.items() for s in [PEER, *setups]
+         if not _SETUPS or s is PEER or s.name in _SETUPS]
 
 
 def models_dir() -> Path:

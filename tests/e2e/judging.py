@@ -29,6 +29,14 @@ The decode steps' bars compare ours and the peer over the steps where the
 two continuations share their prefix (up to and including the first token
 where they part): after a near-tie flips, each writes another text.
 
+Against transformers, each position counts the smaller error of its two
+selections (oracles.fp8_index_scores): its own fp32 index scores and vLLM's
+fp8 ones. fp8 rounding moves keys across the top-k boundary, sometimes one
+that carries attention weight (GLM-5 Q6_K, 2026-12-02: a key 1.6 % above
+the boundary in fp32 falls 0.04 % below it in fp8, moving that step's
+output 0.08 scale-free); an engine that selects as either is right there.
+A wrong selection (a broken K cache) is far from both.
+
 The scale-free error of a position is ||d (lp - mean lp)|| / ||lp_oracle -
 mean lp_oracle|| over the whole vocabulary (0 exact, ~1.4 unrelated). Plus
 an absolute floor against a broken peer (top-1 agreement >= 0.8). Random
@@ -47,6 +55,7 @@ import torch
 from cases import index_topk, model_paths, prompts
 from models import shards
 from oracles import (
+    fp8_index_scores,
     generated_logprobs,
     greedy_gaps,
     llama_cpp_logprobs,
@@ -99,27 +108,41 @@ def _split(d: torch.Tensor, active: torch.Tensor, rel: torch.Tensor | None,
             "all_keys": _figures(d[~active], pick(rel, ~active), pick(agree, ~active))}
 
 
+def _alternatives(lp: torch.Tensor) -> torch.Tensor:
+    """An oracle's log-probabilities over one sequence as [alternatives,
+    positions, vocabulary]: [positions, vocabulary] is one alternative."""
+    return lp if lp.ndim == 3 else lp[None]
+
+
+def _closest(per_alternative: list[torch.Tensor]) -> torch.Tensor:
+    """Per position, the smallest of each alternative's error."""
+    return torch.stack(per_alternative).min(0).values
+
+
 def _common(a: list[int], b: list[int]) -> int:
     """How many leading tokens two continuations share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _decode(result: dict, greedy_oracle: list[torch.Tensor], topk: int | None,
-            full: bool, keep: list[int] | None = None) -> dict:
+            full: bool, keep: list[int] | None = None, text: str = "generated") -> dict:
     """Decode-step figures of result's generated tokens against the oracle over
     prompt + generated; keep: per prompt, how many leading steps count (their
-    prefixes must be the ones greedy_oracle saw)."""
+    prefixes must be the ones greedy_oracle saw); text "forced": the tokens
+    it decoded on the forced text instead (the oracle over prompt + those)."""
     ds, actives, rels = [], [], []
     for i, (p, r, lp) in enumerate(zip(prompts(), result["prompts"], greedy_oracle)):
-        n = len(r["generated"]) if keep is None else min(keep[i], len(r["generated"]))
-        gen = r["generated"][:n]
-        d = (torch.tensor(r["generated_logprob"][:n]) - generated_logprobs(lp, len(p), gen)).abs()
-        assert torch.isfinite(d).all(), "engine returned non-finite log-probabilities"
-        ds.append(d)
+        n = len(r[text]) if keep is None else min(keep[i], len(r[text]))
+        gen = r[text][:n]
+        got = torch.tensor(r[f"{text}_logprob"][:n])
+        assert torch.isfinite(got).all(), "engine returned non-finite log-probabilities"
+        alts = _alternatives(lp)
+        ds.append(_closest([(got - generated_logprobs(a, len(p), gen)).abs() for a in alts]))
         # generated token j is predicted from len(prompt) + j keys
         actives.append(torch.arange(n) + len(p) > (topk or 0))
         if topk and full:
-            rels.append(scale_free(r["full"]["generated"][:n], lp[len(p) - 1 : len(p) - 1 + n]))
+            rels.append(_closest([scale_free(r["full"][text][:n],
+                                             a[len(p) - 1 : len(p) - 1 + n]) for a in alts]))
     dd = torch.cat(ds)
     if not len(dd):
         return {"n": 0}
@@ -132,7 +155,8 @@ def _decode(result: dict, greedy_oracle: list[torch.Tensor], topk: int | None,
 
 def compare(result: dict, oracle: list[torch.Tensor],
             greedy_oracle: list[torch.Tensor] | None, near_tie: float | None = None,
-            topk: int | None = None, peer: dict | None = None) -> dict:
+            topk: int | None = None, peer: dict | None = None,
+            forced_oracle: list[torch.Tensor] | None = None) -> dict:
     """Engine against one oracle's teacher-forced log-probabilities and, with
     greedy_oracle (its log-probabilities over prompt + the engine's tokens),
     the greedy tokens: a token counts when it is the oracle's top-1 or within
@@ -145,20 +169,24 @@ def compare(result: dict, oracle: list[torch.Tensor],
     With topk (the model's index_topk), the figures also apart
     where a position sees more keys than topk (the indexer's selection is
     active) and where it does not; with the engine's whole vectors
-    ("full"), the scale-free error too."""
+    ("full"), the scale-free error too. With forced_oracle (the oracle over
+    prompt + the forced text every path decoded), the decode figures on
+    that text ("decode_forced")."""
     diffs, agree, active, rel = [], [], [], []
     full = all("full" in r for r in result["prompts"])
     for prompt, res, lp in zip(prompts(), result["prompts"], oracle):
         target = torch.tensor(prompt[1:])
-        ref = lp[:-1].gather(1, target[:, None])[:, 0]
+        alts = _alternatives(lp)
         got = torch.tensor(res["prompt_logprob"])
         assert torch.isfinite(got).all(), "engine returned non-finite log-probabilities"
-        diffs.append((got - ref).abs())
-        agree.append(torch.tensor(res["prompt_top1"]) == lp[:-1].argmax(-1))
+        diffs.append(_closest([(got - a[:-1].gather(1, target[:, None])[:, 0]).abs()
+                               for a in alts]))
+        top1 = torch.tensor(res["prompt_top1"])
+        agree.append(torch.stack([top1 == a[:-1].argmax(-1) for a in alts]).any(0))
         # position i predicts token i + 1 from keys 0..i
         active.append(torch.arange(1, len(prompt)) > (topk or len(prompt)))
         if full:
-            rel.append(scale_free(res["full"]["prompt"], lp[:-1]))
+            rel.append(_closest([scale_free(res["full"]["prompt"], a[:-1]) for a in alts]))
     d, hit = torch.cat(diffs), torch.cat(agree)
     out = {
         "mean": round(d.mean().item(), 4),
@@ -171,7 +199,8 @@ def compare(result: dict, oracle: list[torch.Tensor],
         out.update(_split(d, torch.cat(active), torch.cat(rel) if full else None, hit))
     if greedy_oracle is not None:
         tie = out["p90"] if near_tie is None else near_tie
-        gaps = torch.cat([greedy_gaps(lp, len(p), r["generated"])
+        gaps = torch.cat([_closest([greedy_gaps(a, len(p), r["generated"])
+                                    for a in _alternatives(lp)])
                           for p, r, lp in zip(prompts(), result["prompts"], greedy_oracle)])
         out.update(greedy=round((gaps <= tie).float().mean().item(), 4),
                    greedy_strict=round((gaps == 0).float().mean().item(), 4),
@@ -195,6 +224,9 @@ def compare(result: dict, oracle: list[torch.Tensor],
                     both = full and all("full" in q for q in peer["prompts"])
                     out["decode_paired"] = _decode(result, greedy_oracle, topk, both, keep)
                     out["decode_paired_peer"] = _decode(peer, greedy_oracle, topk, both, keep)
+    if forced_oracle is not None and all("forced_logprob" in r for r in result["prompts"]):
+        forced_full = all("forced" in r.get("full", {}) for r in result["prompts"])
+        out["decode_forced"] = _decode(result, forced_oracle, topk, forced_full, text="forced")
     return out
 
 
@@ -220,11 +252,17 @@ def check_bar(ours: dict, peer: dict) -> list[str]:
         bad.append(f"top-1 {ours['top1']} < {peer['top1']} - 0.03")
     if ours["greedy"] is not None and ours["greedy"] < peer["greedy"] - 0.05:
         bad.append(f"greedy {ours['greedy']} < {peer['greedy']} - 0.05")
-    # The decode steps: over the steps both continuations share where the
-    # figures were paired (compare's peer), else each over its own.
+    # The decode steps: on the forced text both decoded, else over the steps
+    # both continuations share where the figures were paired (compare's
+    # peer), else each over its own.
+    forced = "decode_forced" in ours and "decode_forced" in peer
     paired = "decode_paired" in ours and "decode_paired_peer" in ours
-    mine_d = ours["decode_paired"] if paired else ours.get("decode", {})
-    theirs_d = ours["decode_paired_peer"] if paired else peer.get("decode", {})
+    if forced:
+        mine_d, theirs_d = ours["decode_forced"], peer["decode_forced"]
+    elif paired:
+        mine_d, theirs_d = ours["decode_paired"], ours["decode_paired_peer"]
+    else:
+        mine_d, theirs_d = ours.get("decode", {}), peer.get("decode", {})
     for key, slack in (("mean", 0.01), ("p90", 0.02)):
         if key in mine_d and key in theirs_d and mine_d[key] > 1.5 * theirs_d[key] + slack:
             bad.append(f"decode {key} {mine_d[key]} > 1.5 x {theirs_d[key]} + {slack}")
@@ -284,15 +322,38 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def transformers_alternatives(tf, tokens: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities over tokens with its own fp32 index
+    scores and with vLLM's fp8 ones (oracles.fp8_index_scores), stacked:
+    [2, positions, vocabulary]."""
+    fp32 = transformers_logprobs(tf, tokens)
+    with fp8_index_scores(tf):
+        return torch.stack([fp32, transformers_logprobs(tf, tokens)])
+
+
 def oracles_for(manifest, model: str, gguf_type: str):
-    """transformers (fp32, this GPU) and llama.cpp (CPU) on one file."""
+    """transformers (fp32, this GPU; both selections) and llama.cpp (CPU) on
+    one file."""
     key = (model, gguf_type)
     if key not in _oracle_cache:
         hf, gguf = model_paths(manifest, model, gguf_type)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tf = transformers_model(hf, gguf, device)
-        _oracle_cache[key] = (tf, [transformers_logprobs(tf, p) for p in prompts()],
+        _oracle_cache[key] = (tf, [transformers_alternatives(tf, p) for p in prompts()],
                               [llama_cpp_logprobs(gguf, p) for p in prompts()])
+    return _oracle_cache[key]
+
+
+def forced_oracles(manifest, model: str, gguf_type: str, forced: list[list[int]]):
+    """Both oracles over each prompt + its forced text (the same for every
+    path on the file)."""
+    key = (model, gguf_type, tuple(map(tuple, forced)))
+    if key not in _oracle_cache:
+        tf, _, _ = oracles_for(manifest, model, gguf_type)
+        _, gguf = model_paths(manifest, model, gguf_type)
+        seqs = [p + f for p, f in zip(prompts(), forced)]
+        _oracle_cache[key] = ([transformers_alternatives(tf, s) for s in seqs],
+                              [llama_cpp_logprobs(gguf, s) for s in seqs])
     return _oracle_cache[key]
 
 
@@ -302,16 +363,21 @@ def judge(manifest, model: str, gguf_type: str, res: dict, peer: dict | None = N
     tf, tf_prompt, lc_prompt = oracles_for(manifest, model, gguf_type)
     _, gguf = model_paths(manifest, model, gguf_type)
     seqs = [p + r["generated"] for p, r in zip(prompts(), res["prompts"])]
-    tf_gen = [transformers_logprobs(tf, s) for s in seqs]
+    tf_gen = [transformers_alternatives(tf, s) for s in seqs]
     lc_gen = [llama_cpp_logprobs(gguf, s) for s in seqs]
+    tf_forced = lc_forced = None
+    if all("forced" in r for r in res["prompts"]):
+        tf_forced, lc_forced = forced_oracles(manifest, model, gguf_type,
+                                              [r["forced"] for r in res["prompts"]])
 
     def tie(oracle: str) -> float | None:
         return peer[oracle]["p90"] if peer and oracle in peer else None
 
     topk = index_topk(manifest, model)
     return {"vs_transformers": compare(res, tf_prompt, tf_gen, tie("vs_transformers"), topk,
-                                       peer),
-            "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"), topk, peer)}
+                                       peer, tf_forced),
+            "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"), topk, peer,
+                                    lc_forced)}
 
 
 def judged_peer(engine_runs, manifest, model: str, gguf_type: str) -> dict:
@@ -350,7 +416,8 @@ def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
     if res["cuda_graphs"] == eager:
         failures.append(f"CUDA graphs {'captured' if eager else 'not captured'} "
                         f"(enforce_eager={eager})")
-    row.update(backend=res["backend"], dtype=res["dtype"], indexer=res["indexer"],
+    row.update(tf_index_scores=["fp32", "fp8"],  # transformers' selections (judge())
+               backend=res["backend"], dtype=res["dtype"], indexer=res["indexer"],
                cuda_graphs=res["cuda_graphs"], start_s=res["start_s"],
                vs_transformers=res["vs_transformers"], vs_llama_cpp=res["vs_llama_cpp"],
                # for re-analysis on a CPU (tests/e2e/oracles.py)

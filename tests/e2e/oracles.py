@@ -8,10 +8,18 @@
 
 Both give teacher-forced log-probabilities: row i is the distribution of
 the token after tokens[: i + 1].
+
+transformers selects the sparse-attention keys from fp32 index scores;
+vLLM's indexer (upstream's and the series') scores fp8 copies of the
+indexer's q and k. Where that rounding moves a key that matters across the
+top-k boundary, the two selections give different outputs and both are
+right. fp8_index_scores() runs transformers with vLLM's rounding of the
+index scores' operands.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +148,72 @@ def transformers_model(hf_dir: Path, gguf_path: Path, device: str = "cpu"):
     return model.to(device).eval()
 
 
+# vLLM's indexer: q and k in fp8 e4m3 with a power-of-two ("ue8m0") scale per
+# 128 elements of each token's vector (of each head's, for q)
+FP8_BLOCK = 128
+_FP8_MAX = 448.0
+
+
+def fp8_round(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x as vLLM's indexer stores it: fp8 e4m3 in blocks of FP8_BLOCK along
+    dim, each with the power of two >= its amax / 448 as scale; returned
+    dequantized, in x's dtype."""
+    if x.shape[dim] % FP8_BLOCK:
+        raise ValueError(f"fp8_round: dimension {dim} of {tuple(x.shape)} is not a multiple "
+                         f"of {FP8_BLOCK}")
+    moved = x.movedim(dim, -1).float()
+    blocks = moved.reshape(*moved.shape[:-1], -1, FP8_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-10)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / _FP8_MAX)))
+    rounded = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    return rounded.reshape(moved.shape).movedim(-1, dim).to(x.dtype)
+
+
+class _Fp8IndexScores(torch.overrides.TorchFunctionMode):
+    """Within one forward of a transformers DSA indexer: its first matmul,
+    the index scores q [B, S, H, D] @ k^T [B, 1, D, T], on fp8_round() copies
+    of q and k."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.matmul and not self.done:
+            self.done = True
+            q, kt = args
+            if q.ndim != 4 or kt.ndim != 4 or q.shape[-1] != kt.shape[-2]:
+                raise RuntimeError(
+                    "fp8_index_scores: the indexer's first matmul is not q [B, S, H, D] @ "
+                    f"k^T [B, 1, D, T] ({tuple(q.shape)} @ {tuple(kt.shape)}): transformers' "
+                    "indexer changed")
+            args = (fp8_round(q, -1), fp8_round(kt, -2))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fp8_index_scores(model):
+    """While active, every DSA indexer of a transformers model scores keys as
+    vLLM's does (fp8_round() q and k; the rest of its arithmetic in fp32)."""
+    indexers = [m for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    if not indexers:
+        raise ValueError(f"{type(model).__name__} has no DSA indexer")
+
+    def scored_in_fp8(forward):
+        def run(*args, **kwargs):
+            with _Fp8IndexScores():
+                return forward(*args, **kwargs)
+        return run
+
+    for ix in indexers:
+        ix.forward = scored_in_fp8(ix.forward)
+    try:
+        yield model
+    finally:
+        for ix in indexers:
+            del ix.forward  # the class's own again
+
+
 @torch.no_grad()
 def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
     """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
@@ -185,6 +259,24 @@ def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
     x = torch.cat([rms(embeds, w("enorm.weight")), rms(hidden, w("hnorm.weight"))], dim=-1)
     logits = block(inputs_embeds=(x @ w("eh_proj.weight").T)[None], use_cache=False).logits
     return logits[0].argmax(-1).tolist()
+
+
+@torch.no_grad()
+def fp32_greedy(hf_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The checkpoint's own greedy continuation (n tokens) of each prompt, in
+    fp32: the text every engine path decodes when its decode steps are
+    compared on one text (forced_tokens.py)."""
+    model_class = transformers_class(hf_dir)
+    model = model_class.from_pretrained(hf_dir, dtype=torch.float32,
+                                        attn_implementation="eager").eval()
+    out = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits
+            seq.append(int(logits[0, -1].argmax()))
+        out.append(seq[len(prompt):])
+    return out
 
 
 @torch.no_grad()

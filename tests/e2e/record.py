@@ -15,6 +15,9 @@ def _fig(m: dict) -> str:
         greedy += f" ({m['greedy_strict']:.3f})"
     decode = f"; decode {m['decode']['mean']:.3f} / {m['decode']['p90']:.3f}" \
         if "decode" in m else ""
+    if m.get("decode_forced", {}).get("n"):
+        decode += (f"; forced decode {m['decode_forced']['mean']:.3f} / "
+                   f"{m['decode_forced']['p90']:.3f}")
     return f"{m['mean']:.3f} / {m['p90']:.3f} / {m['top1']:.3f} / {greedy}{decode}"
 
 
@@ -22,7 +25,8 @@ def _by_selection(m: dict) -> str:
     """Figures where the indexer's top-k selection is active and where every
     key is selected: mean |d logprob| / scale-free error."""
     parts = []
-    for label, where in (("", m), ("decode ", m.get("decode", {}))):
+    for label, where in (("", m), ("decode ", m.get("decode", {})),
+                         ("forced decode ", m.get("decode_forced", {}))):
         for part, name in (("topk_active", "active"), ("all_keys", "all keys")):
             f = where.get(part)
             if f and f.get("n"):
@@ -83,6 +87,12 @@ def render(rows: list[dict]) -> str:
         *([("- decode: mean / p90 |d logprob| of the generated tokens on the engine's "
             "own prefix")] if any("decode" in r.get("vs_transformers", {}) for r in rows)
           else []),
+        *([("- forced decode: the same on one text every path decoded (the fp32 "
+            "checkpoint's greedy continuation, E2E_FORCED_DECODE=1)")]
+          if any("decode_forced" in r.get("vs_transformers", {}) for r in rows) else []),
+        *([("- vs transformers: each position against transformers with its own fp32 "
+            "index scores or vLLM's fp8 ones, whichever is closer")]
+          if any(r.get("tf_index_scores") for r in rows) else []),
         *([f"- judged after the run: {first['judged']}"] if "judged" in first else []),
         *([("- by selection (vs transformers fp32): mean |d logprob| / scale-free "
             "error (||d of the mean-centred log-probabilities|| / the oracle's, over the "

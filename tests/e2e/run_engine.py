@@ -2,14 +2,18 @@
 choices at import time): `python run_engine.py CASE.json OUT.json`.
 
 CASE: {"gguf", "hf", "prompts", "max_tokens", "llm": {LLM keyword args},
-"full_logprobs": vocabulary size (optional)}.
+"full_logprobs": vocabulary size (optional), "forced": per prompt, tokens
+to decode again after the greedy run (optional; forced_tokens.py)}.
 OUT: per prompt the teacher-forced log-probability of each prompt token and
 the engine's top-1 token there, the greedy continuation, plus what the
 engine chose (attention backend, dtype, indexer) and spec-decode counters.
 With full_logprobs (the LLM needs max_logprobs as large), OUT minus its
 ".json" plus ".logprobs.pt" holds every position's whole log-probability
 vector: per prompt, "prompt" [prompt tokens - 1, vocab] and "generated"
-[generated tokens, vocab] (float32; NaN where the engine gave none).
+[generated tokens, vocab], and "forced" [forced tokens, vocab] (float32;
+NaN where the engine gave none). With forced, each prompt's "forced" and
+"forced_logprob": the engine's log-probability of each forced token, decoded
+on that text.
 
 engine_result() reads what a run left (test_engine.py, rejudge.py).
 """
@@ -63,9 +67,14 @@ def main() -> None:
     case = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    forced = case.get("forced")
+    llm_args = dict(case["llm"])
+    if forced:
+        # found by name in the engine's processes (this folder is on sys.path)
+        llm_args["logits_processors"] = ["forced_tokens:ForcedTokens"]
     start = time.monotonic()
     llm = LLM(model=case["gguf"], hf_config_path=case["hf"], tokenizer=case["hf"],
-              seed=0, **case["llm"])
+              seed=0, **llm_args)
     started = time.monotonic() - start
     full = case.get("full_logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True,
@@ -92,6 +101,22 @@ def main() -> None:
             "generated_logprob": [entry[token].logprob for token, entry in
                                   zip(out.outputs[0].token_ids, out.outputs[0].logprobs)],
         })
+    if forced:
+        # The same prompts again, each decoding its forced tokens: every
+        # path's decode steps on one text.
+        params = [SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True,
+                                 logprobs=full or 1, extra_args={"forced_tokens": f})
+                  for f in forced]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params)
+        for i, (out, tokens) in enumerate(zip(outs, forced)):
+            got = list(out.outputs[0].token_ids)
+            if got != tokens:
+                raise RuntimeError(f"prompt {i}: forced decoding took {got}, not {tokens}: "
+                                   "the forcing logits processor did not act")
+            result["prompts"][i].update(forced=tokens, forced_logprob=[
+                entry[t].logprob for t, entry in zip(tokens, out.outputs[0].logprobs)])
+            if full:
+                vectors[i]["forced"] = _dense(out.outputs[0].logprobs, full)
     config = llm.llm_engine.vllm_config
     result["dtype"] = str(config.model_config.dtype).removeprefix("torch.")
     result["spec"] = {}

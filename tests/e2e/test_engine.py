@@ -21,13 +21,29 @@ import torch
 from cases import CASES, HERE, MAX_TOKENS, model_paths, prompts
 from judging import evaluate
 from models import VOCAB
+from oracles import fp32_greedy
 from run_engine import engine_result
 from setups import SETUPS, EngineSetup
 
 pytestmark = pytest.mark.gpu
 
 
-def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup) -> dict:
+def forced_text(hf: Path) -> list[list[int]] | None:
+    """With E2E_FORCED_DECODE=1, the text every path on the model's files
+    decodes after its own greedy run (forced_tokens.py): the fp32
+    checkpoint's greedy continuation of each prompt, on the CPU."""
+    if os.environ.get("E2E_FORCED_DECODE") != "1":
+        return None
+    if hf not in _FORCED:
+        _FORCED[hf] = fp32_greedy(hf, prompts(), MAX_TOKENS)
+    return _FORCED[hf]
+
+
+_FORCED: dict[Path, list[list[int]]] = {}
+
+
+def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup,
+               forced: list[list[int]] | None = None) -> dict:
     case = {
         "gguf": str(gguf), "hf": str(hf), "prompts": prompts(), "max_tokens": MAX_TOKENS,
         # Several engines (and other test files) share the GPU in one test
@@ -42,6 +58,8 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup) -> dict
         # every position's whole distribution, for the scale-free error
         "full_logprobs": VOCAB,
     }
+    if forced and not setup.speculative:  # vLLM: no logits processors with drafts
+        case["forced"] = forced
     path = setup.name
     # rejudge.py finds a case's files by these names
     stem = f"{gguf.stem}-{path}"
@@ -51,6 +69,8 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup) -> dict
     if "E2E_REPORT_SM" in setup.env:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(HERE / "report_sm"), env.get("PYTHONPATH")) if p)
+    if "forced" in case:  # the engine's processes load forced_tokens.py by name
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     limit = int(os.environ.get("E2E_ENGINE_TIMEOUT", "900"))
     # Its own process group: on a timeout the engine's workers go too (they
     # hold the output pipes; killing the parent alone leaves the test waiting).
@@ -80,6 +100,8 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("engine")
 
     gpus = torch.cuda.device_count()
+    for model in {m for m, _, _ in CASES}:  # before the engines: one at a time
+        forced_text(model_paths(manifest, model, next(t for m, t, _ in CASES if m == model))[0])
 
     def one(case):
         model, gguf_type, path = case
@@ -87,7 +109,7 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
         if setup.gpus > gpus:
             return case, {"skip": f"{path} needs {setup.gpus} GPUs, this host has {gpus}"}
         hf, gguf = model_paths(manifest, model, gguf_type)
-        return case, run_engine(tmp, hf, gguf, setup)
+        return case, run_engine(tmp, hf, gguf, setup, forced_text(hf))
 
     workers = int(os.environ.get("E2E_PARALLEL", "6"))
     with ThreadPoolExecutor(workers) as pool:

@@ -188,3 +188,75 @@ def test_decode_bars_do_not_pair_a_few_steps():
     same = compare(peer, over_prompt, oracle, near_tie=0.35, peer=peer)
     assert same["decode_parted_at"] == [None, None]
     assert same["decode_paired"] == same["decode"] == same["decode_paired_peer"]
+
+
+def test_a_position_counts_the_closer_of_the_oracles_two_selections():
+    """transformers with its fp32 and with vLLM's fp8 index scores (oracle
+    entries [2, positions, vocab]): where the two differ, an engine that
+    gives either one's output is right there; an engine far from both (a
+    broken selection) is not."""
+    result, over_prompt, oracle = _case(decode_error=0.0, full_scale=1.0)
+    gen = torch.Generator().manual_seed(3)
+    moved = [150, 200, 300]  # positions of the long prompt where fp8 selects other keys
+    fp8 = [lp.clone() for lp in oracle]
+    for i in moved:
+        fp8[0][i] = torch.log_softmax(torch.randn(VOCAB, generator=gen) * 3, -1)
+    both = [torch.stack([a, b]) for a, b in zip(oracle, fp8)]
+    both_prompt = [lp[:, : len(p)] for lp, p in zip(both, prompts())]
+    base = compare(result, over_prompt, oracle, near_tie=0.1, topk=128)
+
+    def engine_as(rows: list[torch.Tensor]) -> dict:
+        r = copy.deepcopy(result)
+        entry, prompt = r["prompts"][0], prompts()[0]
+        for i, row in zip(moved, rows):
+            entry["full"]["prompt"][i] = row
+            entry["prompt_logprob"][i] = row[prompt[i + 1]].item() + 0.05
+            entry["prompt_top1"][i] = row.argmax().item()
+        return r
+
+    as_fp8 = compare(engine_as([fp8[0][i] for i in moved]), both_prompt, both, near_tie=0.1,
+                     topk=128)
+    assert as_fp8["mean"] == base["mean"] and as_fp8["top1"] == base["top1"] == 1.0
+    assert as_fp8["topk_active"]["rel"] == base["topk_active"]["rel"]
+    # the same engine against fp32's selection alone: off at those positions
+    alone = compare(engine_as([fp8[0][i] for i in moved]), over_prompt, oracle, near_tie=0.1,
+                    topk=128)
+    assert alone["topk_active"]["rel"] > base["topk_active"]["rel"] + 0.005
+    noise = [torch.log_softmax(torch.randn(VOCAB, generator=gen) * 3, -1) for _ in moved]
+    wrong = compare(engine_as(noise), both_prompt, both, near_tie=0.1, topk=128)
+    assert wrong["topk_active"]["rel"] > base["topk_active"]["rel"] + 0.005
+    assert wrong["top1"] < 1.0
+
+
+def _forced(result: dict, oracle: list[torch.Tensor], error: float) -> dict:
+    """result with every prompt's forced text (its own greedy tokens, which
+    the oracle covers) decoded error nats below the oracle."""
+    r = copy.deepcopy(result)
+    for p, entry, lp in zip(prompts(), r["prompts"], oracle):
+        forced = entry["generated"]
+        rows = lp[len(p) - 1 : len(p) - 1 + len(forced)]
+        entry["forced"] = forced
+        entry["forced_logprob"] = (rows.gather(1, torch.tensor(forced)[:, None])[:, 0]
+                                   - error).tolist()
+    return r
+
+
+def test_decode_bars_take_the_forced_text_where_both_decoded_it():
+    """Where ours and the peer decoded the same forced text, the decode bars
+    compare them there, not on their own continuations (which differ after
+    a near-tie): a path worse only on its own text passes, one 4x worse on
+    the forced text fails."""
+    result, over_prompt, oracle = _case(decode_error=0.01)
+    peer = compare(_forced(result, oracle, 0.01), over_prompt, oracle, near_tie=0.1,
+                   forced_oracle=oracle)
+    assert peer["decode_forced"]["n"] == 2 * MAX_TOKENS
+    assert abs(peer["decode_forced"]["mean"] - 0.01) < 1e-4
+    hard_text, _, _ = _case(decode_error=0.04)  # its own text: 4x the peer's decode error
+    fine = compare(_forced(hard_text, oracle, 0.01), over_prompt, oracle, near_tie=0.1,
+                   forced_oracle=oracle)
+    assert not [m for m in check_bar(fine, peer) if "decode" in m]
+    assert [m for m in check_bar(compare(hard_text, over_prompt, oracle, near_tie=0.1),
+                                 peer) if m.startswith("decode mean")]
+    worse = compare(_forced(result, oracle, 0.04), over_prompt, oracle, near_tie=0.1,
+                    forced_oracle=oracle)
+    assert [m for m in check_bar(worse, peer) if m.startswith("decode mean")]

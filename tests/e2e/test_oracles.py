@@ -17,6 +17,9 @@ import torch
 import models
 from cases import prompts
 from oracles import (
+    fp8_index_scores,
+    fp8_round,
+    fp32_greedy,
     transformers_class,
     transformers_logprobs,
     transformers_model,
@@ -58,6 +61,19 @@ def test_models_are_well_conditioned(f32_models):
     margin = top2[:, 0] - top2[:, 1]
     assert lp.max(-1).values.exp().mean() > 0.3, "flat logits"
     assert margin.median() > 0.4, f"top-1/top-2 margin median {margin.median():.2f} nats"
+
+
+def test_forced_text_is_the_checkpoints_greedy_continuation(f32_models):
+    """fp32_greedy (the text every engine path decodes with
+    E2E_FORCED_DECODE=1): each token is fp32's top-1 after the ones before."""
+    out, manifest = f32_models
+    hf = out / "glm5" / manifest["models"]["glm5"]["hf"]
+    short = prompts()[1]
+    (text,) = fp32_greedy(hf, [short], 6)
+    model = transformers_class(hf).from_pretrained(
+        hf, dtype=torch.float32, attn_implementation="eager").eval()
+    lp = transformers_logprobs(model, short + text)
+    assert len(text) == 6 and lp[len(short) - 1 : -1].argmax(-1).tolist() == text
 
 
 @pytest.mark.parametrize("name", [m.name for m in models.MODELS.values() if m.mtp_layers])
@@ -195,15 +211,6 @@ def test_tool_files_and_split_sets_in_the_manifest(fake_tools, tmp_path):
 # random causal selection.
 
 
-def _fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to fp8 e4m3 with one scale per row of the last dimension,
-    max|x| / 448 rounded up to a power of two, as vLLM's indexer quantizes
-    its keys (per token) and queries (per token and head)."""
-    amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    return (x / scale).to(torch.float8_e4m3fn).float() * scale
-
-
 def _bad_k_scale_round(k: torch.Tensor) -> torch.Tensor:
     """k rounded as vLLM's fp16 indexer K cache (indexer_k_quant_and_cache)
     did before the series' patch 0017: the per-token scale came from the fp16
@@ -234,8 +241,8 @@ def _index_scores(ix, hidden_states, q_resid, position_embeddings,
     q = torch.cat([q_rot, q_pass], -1).float()
     k = torch.cat([k_rot, k_pass], -1).squeeze(2).float()
     if rounding is not None:
-        q = _fp8_round(q)
-        k = _bad_k_scale_round(k) if rounding == "bad_k_scale" else _fp8_round(k)
+        q = fp8_round(q, -1)
+        k = _bad_k_scale_round(k) if rounding == "bad_k_scale" else fp8_round(k, -1)
     scores = torch.relu(q @ k.transpose(-1, -2).unsqueeze(1) * ix.softmax_scale)
     weights = ix.weights_proj(hidden_states).float() * ix.n_heads**-0.5
     return (weights.unsqueeze(-2) @ scores).squeeze(-2)
@@ -396,3 +403,43 @@ def test_topk_choice_catches_a_bad_indexer_k_scale(dsa_runs, name):
     err8 = _lp_error(r["fp8"], r["ref"])[topk:].mean()
     assert err >= 0.05, f"{name}: bad K scales move log-probs by {err:.4f} only"
     assert err >= 5 * err8, f"{name}: bad K scales {err:.4f}, correct fp8 {err8:.4f}"
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_fp8_index_scores_select_as_the_rerun_fp8_indexer(dsa_runs, name):
+    """The judge's second transformers oracle (oracles.fp8_index_scores:
+    transformers' own indexer, its score matmul on fp8 copies of q and k)
+    gives the log-probabilities of the indexer re-run here with fp8 queries
+    and keys, differs from fp32's only where top-k is active, and leaves
+    the model as it was."""
+    r = dsa_runs(name)
+    with fp8_index_scores(r["model"]):
+        lp = transformers_logprobs(r["model"], r["tokens"])
+    torch.testing.assert_close(lp, r["fp8"], rtol=0, atol=1e-5)
+    topk = r["topk"]
+    assert torch.equal(lp[:topk], r["ref"][:topk]), f"{name}: fp8 scores moved positions <= topk"
+    assert not torch.equal(lp[topk:], r["ref"][topk:]), f"{name}: fp8 scores changed nothing"
+    assert torch.equal(transformers_logprobs(r["model"], r["tokens"]), r["ref"])
+
+
+def test_fp8_round_is_vllms_indexer_rounding():
+    """fp8_round: blocks of 128 along the given dimension, each scaled by a
+    power of two >= its amax / 448; values within e4m3's 3 mantissa bits;
+    exact on values e4m3 holds; all-zero blocks stay zero."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 256, 5, generator=gen) * torch.logspace(-3, 2, 5)
+    x[0, :128, 0] = 0
+    r = fp8_round(x, 1)
+    assert r.shape == x.shape and r.dtype == x.dtype
+    assert torch.equal(r[0, :128, 0], torch.zeros(128))
+    blocks = x.movedim(1, -1).reshape(3, 5, 2, 128)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-10) / 448)))
+    assert (amax / scale <= 448).all() and ((amax / scale > 224) | (amax == 0)).all()
+    # half a unit in the last place: 3 mantissa bits, subnormals below 2**-6
+    err = (r.movedim(1, -1).reshape(blocks.shape) - blocks).abs()
+    assert (err <= torch.maximum(blocks.abs() * 2**-4, scale * 2**-10)).all()
+    exact = torch.tensor([1.0, -0.5, 448.0, 0.875] * 32)
+    assert torch.equal(fp8_round(exact, 0), exact)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_round(torch.ones(100), 0)
