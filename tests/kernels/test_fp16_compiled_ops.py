@@ -35,21 +35,13 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
+# Byte offsets of each block's fp16 scale fields (d, dmin), per gguf-py.
+from support.gguf_moe_ref import F16_FIELDS
+
 DTYPES = [torch.float16, torch.bfloat16]
 FP8 = torch.float8_e4m3fn
 MMQ_TYPES = ["Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 MMVQ_TYPES = MMQ_TYPES + ["IQ4_XS"]
-# Byte offsets of each block's fp16 scale fields (d, dmin), per gguf-py.
-F16_FIELDS = {
-    "Q4_0": (0,),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "IQ4_XS": (0,),
-}
 
 
 def eps(dtype):
