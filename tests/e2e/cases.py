@@ -54,6 +54,9 @@ GROUPS = {
     ("glm5", "q4_k_m-split"): [TRITON_FP16, TRITON_BF16],
     ("glm52", "iq2_xxs-dynamic"): [TRITON_FP16, TRITON_BF16],
     ("dsv32", "iq2_xxs-dynamic"): [TRITON_FP16, TRITON_BF16],
+    # the same types on GLM-5.2 and DeepSeek-V3.2, the product's path alone
+    **{(model, t): [TRITON_FP16] for model in ("glm52", "dsv32")
+       for t in ("q2_k", "q3_k_m", "iq4_xs", "iq3_xxs", "iq2_xxs", "iq1_m", "q4_k_m-split")},
 }
 if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
     _wanted = set(os.environ["E2E_GROUPS"].split(","))
