@@ -223,6 +223,12 @@ class ModelSpec:
     mtp_layers: int = 0
     extra: dict = field(default_factory=dict)
     seed: int = 0
+    # the file types built for it (None: every type a build asks for)
+    types: tuple[str, ...] | None = None
+
+    @property
+    def config(self) -> dict:
+        return dict(_COMMON, **self.extra)
 
 
 MODELS = {
@@ -243,6 +249,14 @@ MODELS = {
     "dsv32": ModelSpec(
         "dsv32", "DeepseekV32Config", "DeepseekV32ForCausalLM", layers=3,
         extra=dict(qk_nope_head_dim=128, v_head_dim=128, scoring_func="sigmoid"), seed=13,
+    ),
+    # GLM-5 with the real index_topk (2048) and a 32k context, for prompts of
+    # 8-16k tokens (tests/e2e/test_long_context.py); F16 only.
+    "glm5-long": ModelSpec(
+        "glm5-long", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", layers=3,
+        extra=dict(qk_nope_head_dim=192, v_head_dim=256, **_GLM_KEYS, index_topk=2048,
+                   max_position_embeddings=32768),
+        seed=14, types=("f16",),
     ),
 }
 
@@ -418,7 +432,7 @@ def _decisive_topk(model, spec: ModelSpec) -> None:
         w.copy_(INDEX_W_RANDOM * _drop_in(w, c, u) + INDEX_W * torch.ones(n_ix, 1) * c)
 
 
-def _tokenizer(path: Path) -> None:
+def _tokenizer(path: Path, max_length: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"<t{i}>": i for i in range(VOCAB)}
@@ -440,7 +454,7 @@ def _tokenizer(path: Path) -> None:
         "unk_token": "<t5>",
         "add_bos_token": False,
         "chat_template": template,
-        "model_max_length": _COMMON["max_position_embeddings"],
+        "model_max_length": max_length,
     }, indent=1))
 
 
@@ -471,11 +485,11 @@ def _drafting_nextn(spec: ModelSpec):
 def build_checkpoint(spec: ModelSpec, path: Path) -> None:
     from support.tiny_checkpoints import write_checkpoint
 
-    write_checkpoint(path, spec.config_class, spec.architecture, dict(_COMMON, **spec.extra),
+    write_checkpoint(path, spec.config_class, spec.architecture, spec.config,
                      spec.layers, spec.mtp_layers, spec.seed,
                      condition=lambda model: _condition(model, spec),
                      nextn_tensors=_drafting_nextn(spec))
-    _tokenizer(path)
+    _tokenizer(path, spec.config["max_position_embeddings"])
 
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
@@ -643,11 +657,12 @@ def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED + LOW_BIT,
             recipe = _recipe_hash(spec)
             mdir = out / spec.name
             entry = old.get("models", {}).get(spec.name)
-            if names is not None and spec.name not in names:
+            wanted = types if spec.types is None else tuple(t for t in types if t in spec.types)
+            if (names is not None and spec.name not in names) or not wanted:
                 if entry:  # another model's entry, left as it is
                     manifest["models"][spec.name] = entry
                 continue
-            if not (why := _mismatch(entry, mdir, recipe, types)):
+            if not (why := _mismatch(entry, mdir, recipe, wanted)):
                 print(f"[e2e-models] {spec.name}: up to date", flush=True)
                 manifest["models"][spec.name] = entry
                 continue
@@ -655,10 +670,10 @@ def build(out: Path, types: tuple[str, ...] = CONVERTED + QUANTIZED + LOW_BIT,
                 print(f"[e2e-models] {spec.name}: rebuilt ({why})", flush=True)
             if converter is None:
                 converter = converter_dir(Path(work))
-            if tools is None and set(types) & set(TOOL_FILES):
+            if tools is None and set(wanted) & set(TOOL_FILES):
                 tools = tools_dir()
             manifest["models"][spec.name] = _build_model(spec, recipe, mdir, converter, tools,
-                                                         types)
+                                                         wanted)
             _write_json(manifest_path, manifest)
     _write_json(manifest_path, manifest)
     return manifest

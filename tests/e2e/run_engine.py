@@ -3,7 +3,10 @@ choices at import time): `python run_engine.py CASE.json OUT.json`.
 
 CASE: {"gguf", "hf", "prompts", "max_tokens", "llm": {LLM keyword args},
 "full_logprobs": vocabulary size (optional), "forced": per prompt, tokens
-to decode again after the greedy run (optional; forced_tokens.py)}.
+to decode again after the greedy run (optional; forced_tokens.py),
+"sequential": one prompt after the other (optional: a later prompt can
+reuse an earlier one's cached prefix), "prompt_logprobs": false (optional:
+none asked; vLLM reads no cached prefix for a request that asks)}.
 OUT: per prompt the teacher-forced log-probability of each prompt token and
 the engine's top-1 token there, the greedy continuation, plus what the
 engine chose (attention backend, dtype, indexer) and spec-decode counters.
@@ -15,15 +18,21 @@ NaN where the engine gave none). With forced, each prompt's "forced" and
 "forced_logprob": the engine's log-probability of each forced token, decoded
 on that text.
 
-engine_result() reads what a run left (test_engine.py, rejudge.py).
+launch() runs one in a process of its own and returns engine_result(),
+which reads what a run left (test_engine.py, rejudge.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 
 def full_logprobs_path(out: Path) -> Path:
@@ -53,6 +62,34 @@ def engine_result(out_file: Path, log: str) -> dict:
     return result
 
 
+def launch(case: dict, work: Path, stem: str, env: dict[str, str]) -> dict:
+    """Run one engine on case (this file, its own process) in work/<stem>.*:
+    its result (engine_result), or {"error": ...} with its log's end.
+    E2E_ENGINE_TIMEOUT (default 900 s) bounds it; the engine's process
+    group goes on a timeout (its workers hold the output pipes)."""
+    case_file, out_file = work / f"{stem}.json", work / f"{stem}.out.json"
+    case_file.write_text(json.dumps(case))
+    limit = int(os.environ.get("E2E_ENGINE_TIMEOUT", "900"))
+    proc = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), str(case_file),
+                             str(out_file)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=limit)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        timed_out = True
+    (work / f"{stem}.log").write_text(log)
+    name = Path(case["gguf"]).name
+    if timed_out:
+        return {"error": f"{stem}: engine on {name} did not finish in {limit} s "
+                         f"(E2E_ENGINE_TIMEOUT):\n{log[-4000:]}"}
+    if proc.returncode:
+        return {"error": f"{stem}: engine failed on {name}:\n{log[-6000:]}"}
+    return engine_result(out_file, log)
+
+
 def _dense(entries, vocab: int):
     import torch
 
@@ -77,17 +114,22 @@ def main() -> None:
               seed=0, **llm_args)
     started = time.monotonic() - start
     full = case.get("full_logprobs")
+    asked = case.get("prompt_logprobs", True)
     params = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True,
-                            prompt_logprobs=full or 1, logprobs=full or 1)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params)
+                            prompt_logprobs=(full or 1) if asked else None, logprobs=full or 1)
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
+    if case.get("sequential"):
+        outputs = [out for p in token_prompts for out in llm.generate([p], params)]
+    else:
+        outputs = llm.generate(token_prompts, params)
     result = {"start_s": round(started, 1), "prompts": []}
     vectors = []
     for out in outputs:
         if full:
-            vectors.append({"prompt": _dense(out.prompt_logprobs[1:], full),
+            vectors.append({"prompt": _dense((out.prompt_logprobs or [None])[1:], full),
                             "generated": _dense(out.outputs[0].logprobs, full)})
         actual, top1 = [], []
-        for pos, entry in enumerate(out.prompt_logprobs):
+        for pos, entry in enumerate(out.prompt_logprobs or []):
             if entry is None:  # the first token has no prediction
                 continue
             token = out.prompt_token_ids[pos]

@@ -7,11 +7,7 @@ under judging.py's rules, held to upstream's peer on the same file.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +18,7 @@ from cases import CASES, HERE, MAX_TOKENS, model_paths, prompts
 from judging import evaluate
 from models import VOCAB
 from oracles import fp32_greedy
-from run_engine import engine_result
+from run_engine import launch
 from setups import SETUPS, EngineSetup
 
 pytestmark = pytest.mark.gpu
@@ -60,37 +56,14 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup,
     }
     if forced and not setup.speculative:  # vLLM: no logits processors with drafts
         case["forced"] = forced
-    path = setup.name
-    # rejudge.py finds a case's files by these names
-    stem = f"{gguf.stem}-{path}"
-    case_file, out_file = tmp_path / f"{stem}.json", tmp_path / f"{stem}.out.json"
-    case_file.write_text(json.dumps(case))
     env = dict(os.environ, **setup.env)
     if "E2E_REPORT_SM" in setup.env:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(HERE / "report_sm"), env.get("PYTHONPATH")) if p)
     if "forced" in case:  # the engine's processes load forced_tokens.py by name
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
-    limit = int(os.environ.get("E2E_ENGINE_TIMEOUT", "900"))
-    # Its own process group: on a timeout the engine's workers go too (they
-    # hold the output pipes; killing the parent alone leaves the test waiting).
-    proc = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), str(case_file),
-                             str(out_file)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=limit)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        timed_out = True
-    (tmp_path / f"{stem}.log").write_text(log)
-    if timed_out:
-        return {"error": f"{path}: engine on {gguf.name} did not finish in {limit} s "
-                         f"(E2E_ENGINE_TIMEOUT):\n{log[-4000:]}"}
-    if proc.returncode:
-        return {"error": f"{path}: engine failed on {gguf.name}:\n{log[-6000:]}"}
-    return engine_result(out_file, log)
+    # rejudge.py finds a case's files by these names
+    return launch(case, tmp_path, f"{gguf.stem}-{setup.name}", env)
 
 
 @pytest.fixture(scope="session")
