@@ -22,6 +22,9 @@ class _EngineCore:
     async def get_output_async(self):
         raise EngineDeadError()
 
+    def shutdown(self, timeout=None):  # AsyncLLM's __del__ calls it
+        pass
+
 
 def _handler_log(shutting_down: bool, caplog) -> tuple[list[logging.LogRecord], list]:
     # Only what _run_output_handler reads: the real one needs an engine.
