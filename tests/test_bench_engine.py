@@ -603,6 +603,8 @@ def test_recorded_commands_name_no_machine_path():
     from engine.run import _shown
 
     cmd = ["/some/env/bin/python3.12", "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-           "--endpoint", "/v1/completions", "--result-dir", "/some/where/work/results"]
+           "--endpoint", "/v1/completions", "--tokenizer", "/some/where/models/m/hf",
+           "--result-dir", "/some/where/results"]
     assert _shown(cmd) == ("python3 -m vllm.entrypoints.cli.main bench serve "
-                           "--endpoint /v1/completions --result-dir '…/work/results'")
+                           "--endpoint /v1/completions --tokenizer '…/m/hf' "
+                           "--result-dir '<results>'")

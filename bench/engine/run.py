@@ -71,6 +71,8 @@ def _shown(cmd: list[str], env_extra: dict | None = None) -> str:
     for i, c in enumerate(cmd):
         if i == 0 and Path(c).name.startswith("python"):
             c = "python3"  # the interpreter's path is the machine's
+        elif i and cmd[i - 1] in _PLACEHOLDERS:
+            c = _PLACEHOLDERS[cmd[i - 1]]
         elif i == 0 or cmd[i - 1] not in _NOT_PATHS:
             c = portable_path(c)
         shown.append(shlex.quote(c))
@@ -79,6 +81,9 @@ def _shown(cmd: list[str], env_extra: dict | None = None) -> str:
 
 # Options whose value starts with "/" and is no file: shown as given.
 _NOT_PATHS = ("--endpoint",)
+# Scratch folders, shown by the names `bench_engine.py plan` gives them (the
+# record holds what was written there).
+_PLACEHOLDERS = {"--result-dir": "<results>"}
 
 
 class Server:
