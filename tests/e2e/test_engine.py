@@ -24,20 +24,6 @@ from setups import SETUPS, EngineSetup
 pytestmark = pytest.mark.gpu
 
 
-def forced_text(hf: Path) -> list[list[int]] | None:
-    """With E2E_FORCED_DECODE=1, the text every path on the model's files
-    decodes after its own greedy run (forced_tokens.py): the fp32
-    checkpoint's greedy continuation of each prompt, on the CPU."""
-    if os.environ.get("E2E_FORCED_DECODE") != "1":
-        return None
-    if hf not in _FORCED:
-        _FORCED[hf] = fp32_greedy(hf, prompts(), MAX_TOKENS)
-    return _FORCED[hf]
-
-
-_FORCED: dict[Path, list[list[int]]] = {}
-
-
 def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup,
                forced: list[list[int]] | None = None) -> dict:
     case = {
@@ -73,8 +59,15 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("engine")
 
     gpus = torch.cuda.device_count()
-    for model in {m for m, _, _ in CASES}:  # before the engines: one at a time
-        forced_text(model_paths(manifest, model, next(t for m, t, _ in CASES if m == model))[0])
+    # E2E_FORCED_DECODE=1: per model (its HF folder), the text every path on
+    # its files decodes after its own greedy run (forced_tokens.py): the fp32
+    # checkpoint's greedy continuation of each prompt, on the CPU
+    forced: dict[Path, list[list[int]]] = {}
+    if os.environ.get("E2E_FORCED_DECODE") == "1":
+        for model, gguf_type, _ in CASES:
+            hf, _ = model_paths(manifest, model, gguf_type)
+            if hf not in forced:
+                forced[hf] = fp32_greedy(hf, prompts(), MAX_TOKENS)
 
     def one(case):
         model, gguf_type, path = case
@@ -82,7 +75,7 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
         if setup.gpus > gpus:
             return case, {"skip": f"{path} needs {setup.gpus} GPUs, this host has {gpus}"}
         hf, gguf = model_paths(manifest, model, gguf_type)
-        return case, run_engine(tmp, hf, gguf, setup, forced_text(hf))
+        return case, run_engine(tmp, hf, gguf, setup, forced.get(hf))
 
     workers = int(os.environ.get("E2E_PARALLEL", "6"))
     with ThreadPoolExecutor(workers) as pool:
