@@ -37,6 +37,16 @@ the boundary in fp32 falls 0.04 % below it in fp8, moving that step's
 output 0.08 scale-free); an engine that selects as either is right there.
 A wrong selection (a broken K cache) is far from both.
 
+So are the MoE routers' near-ties (oracles.ROUTER_TIE): where two experts
+score within 0.005 in fp32, rounding upstream of the router picks one, and
+the choice carries on through the KV cache (GLM-5 IQ4_XS, 2026-12-02: 0.06-
+0.11 scale-free at the steps after a 0.0006 margin, on either path). Each
+selection is therefore also run "routed as the engine" (routed_as()): each
+near-tie, in sequence order, taken the way that brings transformers' row
+nearer the engine's. Only near-ties move, so a wrong router or a wrong
+expert stays far from it; how many were taken the other way is in the
+record (router_ties_taken).
+
 The scale-free error of a position is ||d (lp - mean lp)|| / ||lp_oracle -
 mean lp_oracle|| over the whole vocabulary (0 exact, ~1.4 unrelated). Plus
 an absolute floor against a broken peer (top-1 agreement >= 0.8). Random
@@ -55,10 +65,12 @@ import torch
 from cases import index_topk, model_paths, prompts
 from models import shards
 from oracles import (
+    ROUTER_TIE,
     fp8_index_scores,
     generated_logprobs,
     greedy_gaps,
     llama_cpp_logprobs,
+    routed,
     transformers_logprobs,
     transformers_model,
 )
@@ -331,6 +343,51 @@ def transformers_alternatives(tf, tokens: list[int]) -> torch.Tensor:
         return torch.stack([fp32, transformers_logprobs(tf, tokens)])
 
 
+@torch.no_grad()
+def routed_as(tf, tokens: list[int], engine: torch.Tensor,
+              tie: float = ROUTER_TIE) -> tuple[torch.Tensor, int]:
+    """transformers' log-probabilities over tokens with each routing near-tie
+    (margin < tie) of the rows the engine has (engine: [rows, vocabulary], row
+    i after tokens[: i + 1]) taken the way whose row is nearer the engine's,
+    in sequence order, each on the rows before it as decided. Returns them
+    and how many near-ties were taken the other way."""
+    with routed(tf) as state:
+        lp, taken, decided = transformers_logprobs(tf, tokens), 0, set()
+        while True:
+            pending = sorted((row, i) for i, margin in enumerate(state.margins)
+                             for row in (margin < tie).nonzero()[:, 0].tolist()
+                             if row < len(engine) and (i, row) not in decided)
+            if not pending:
+                return lp, taken
+            row, i = pending[0]
+            decided.add((i, row))
+            state.flips.add((i, row))
+            state.record = False  # the margins stay those of the whole sequence
+            other = transformers_logprobs(tf, tokens[: row + 1])[row:]
+            state.record = True
+            here = engine[row : row + 1]
+            if scale_free(here, other) < scale_free(here, lp[row : row + 1]):
+                taken += 1
+                lp = transformers_logprobs(tf, tokens)
+            else:
+                state.flips.discard((i, row))
+
+
+def routed_alternatives(tf, tokens: list[int], engine: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """routed_as() on both of transformers' selections, stacked as
+    transformers_alternatives(), and the near-ties taken the other way."""
+    fp32, n32 = routed_as(tf, tokens, engine)
+    with fp8_index_scores(tf):
+        fp8, n8 = routed_as(tf, tokens, engine)
+    return torch.stack([fp32, fp8]), n32 + n8
+
+
+def _engine_rows(r: dict, text: str | None) -> torch.Tensor:
+    """The engine's whole vectors over prompt (+ text): row i after i + 1 tokens."""
+    rows = [r["full"]["prompt"]] + ([r["full"][text]] if text else [])
+    return torch.cat(rows)
+
+
 def oracles_for(manifest, model: str, gguf_type: str):
     """transformers (fp32, this GPU; both selections) and llama.cpp (CPU) on
     one file."""
@@ -370,12 +427,34 @@ def judge(manifest, model: str, gguf_type: str, res: dict, peer: dict | None = N
         tf_forced, lc_forced = forced_oracles(manifest, model, gguf_type,
                                               [r["forced"] for r in res["prompts"]])
 
+    taken = None
+    if all("full" in r for r in res["prompts"]):
+        # each selection routed as this engine, beside the two
+        taken = 0
+
+        def with_routed(alternatives, text):
+            nonlocal taken
+            out = []
+            for p, r, lp in zip(prompts(), res["prompts"], alternatives):
+                extra, n = routed_alternatives(tf, p + (r[text] if text else []),
+                                               _engine_rows(r, text))
+                taken += n
+                out.append(torch.cat([_alternatives(lp), extra]))
+            return out
+
+        tf_prompt = with_routed(tf_prompt, None)
+        tf_gen = with_routed(tf_gen, "generated")
+        if tf_forced is not None and all("forced" in r["full"] for r in res["prompts"]):
+            tf_forced = with_routed(tf_forced, "forced")
+
     def tie(oracle: str) -> float | None:
         return peer[oracle]["p90"] if peer and oracle in peer else None
 
     topk = index_topk(manifest, model)
-    return {"vs_transformers": compare(res, tf_prompt, tf_gen, tie("vs_transformers"), topk,
-                                       peer, tf_forced),
+    vs_tf = compare(res, tf_prompt, tf_gen, tie("vs_transformers"), topk, peer, tf_forced)
+    if taken is not None:
+        vs_tf["router_ties_taken"] = taken
+    return {"vs_transformers": vs_tf,
             "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"), topk, peer,
                                     lc_forced)}
 

@@ -15,6 +15,12 @@ indexer's q and k. Where that rounding moves a key that matters across the
 top-k boundary, the two selections give different outputs and both are
 right. fp8_index_scores() runs transformers with vLLM's rounding of the
 index scores' operands.
+
+Likewise the MoE routers: where a token's k-th and (k+1)-th experts score
+within ROUTER_TIE of each other in fp32, rounding upstream of the router
+(8-bit activations in GGUF kernels, fp16 or bf16) decides which one runs,
+and both outputs are right. routed() runs transformers with chosen ones of
+those near-ties taken the other way.
 """
 
 from __future__ import annotations
@@ -212,6 +218,84 @@ def fp8_index_scores(model):
     finally:
         for ix in indexers:
             del ix.forward  # the class's own again
+
+
+# Sigmoid router scores of two experts this close are a near-tie: the
+# engine's rounding upstream of the router moves scores by up to ~0.004 (GLM-5
+# IQ4_XS, 2026-12-02: upstream's bf16 path and the fp16 one each took the
+# other expert at margins of 0.0006-0.0035 in fp32, at different steps).
+ROUTER_TIE = 0.005
+
+
+def moe_routers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+
+
+def route(router, hidden_states: torch.Tensor, flip: torch.Tensor):
+    """A DeepSeek-style top-k router's forward (GLM-5, GLM-5.2 and
+    DeepSeek-V3.2 share it in transformers: sigmoid scores, correction bias
+    for the choice, group-limited top-k), with the k-th and (k+1)-th expert
+    of the rows in flip swapped; also each row's margin between them.
+    Returns (router logits, top-k weights, top-k experts, margin)."""
+    h = hidden_states.reshape(-1, router.hidden_dim).float()
+    logits = torch.nn.functional.linear(h, router.weight.float())
+    scores = logits.sigmoid()
+    choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    grouped = choice.view(-1, router.num_group, per_group)
+    groups = grouped.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0]).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, 1), float("-inf"))
+    ranked = choice.sort(-1, descending=True)
+    k = router.top_k
+    margin = ranked.values[:, k - 1] - ranked.values[:, k]
+    experts = ranked.indices[:, :k].clone()
+    experts[flip, k - 1] = ranked.indices[flip, k]
+    weights = scores.gather(1, experts)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return logits, weights * router.routed_scaling_factor, experts, margin
+
+
+class Routing:
+    """While active (routed()): every MoE router of a transformers model
+    routes as route() does, taking the other expert at the (router, row)
+    pairs in flips; after each forward, margins[i] holds router i's margin
+    per row (when record is on)."""
+
+    def __init__(self, n: int):
+        self.flips: set[tuple[int, int]] = set()
+        self.margins: list[torch.Tensor | None] = [None] * n
+        self.record = True
+
+
+@contextlib.contextmanager
+def routed(model):
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no MoE router")
+    state = Routing(len(routers))
+
+    def routing(i, router):
+        def run(hidden_states):
+            rows = hidden_states.reshape(-1, router.hidden_dim).shape[0]
+            flip = torch.zeros(rows, dtype=torch.bool, device=hidden_states.device)
+            for j, row in state.flips:
+                if j == i and row < rows:
+                    flip[row] = True
+            logits, weights, experts, margin = route(router, hidden_states, flip)
+            if state.record:
+                state.margins[i] = margin
+            return logits, weights, experts
+        return run
+
+    for i, router in enumerate(routers):
+        router.forward = routing(i, router)
+    try:
+        yield state
+    finally:
+        for router in routers:
+            del router.forward  # the class's own again
 
 
 @torch.no_grad()

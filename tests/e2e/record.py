@@ -88,11 +88,14 @@ def render(rows: list[dict]) -> str:
             "own prefix")] if any("decode" in r.get("vs_transformers", {}) for r in rows)
           else []),
         *([("- forced decode: the same on one text every path decoded (the fp32 "
-            "checkpoint's greedy continuation, E2E_FORCED_DECODE=1)")]
+            "checkpoint's greedy continuation)")]
           if any("decode_forced" in r.get("vs_transformers", {}) for r in rows) else []),
         *([("- vs transformers: each position against transformers with its own fp32 "
             "index scores or vLLM's fp8 ones, whichever is closer")]
           if any(r.get("tf_index_scores") for r in rows) else []),
+        *([("- vs transformers: also each selection with its MoE routers' near-ties "
+            "(experts within 0.005) taken as the engine took them (router_ties_taken)")]
+          if any("router_ties_taken" in r.get("vs_transformers", {}) for r in rows) else []),
         *([f"- judged after the run: {first['judged']}"] if "judged" in first else []),
         *([("- by selection (vs transformers fp32): mean |d logprob| / scale-free "
             "error (||d of the mean-centred log-probabilities|| / the oracle's, over the "

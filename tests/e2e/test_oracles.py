@@ -2,7 +2,8 @@
 oracle rebuilds exactly the checkpoint's model from an F32 GGUF written by
 llama.cpp's converter (every tensor mapped, the MLA k_b/v_b factors and the
 merged experts put back), the test models are well-conditioned, and their
-indexers' top-k choice is decisive and survives fp8 scores."""
+indexers' top-k choice is decisive and survives fp8 scores; the routing
+alternative takes the engine's side of near-ties and nothing else."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import torch
 
 import models
 from cases import prompts
+from judging import routed_alternatives, routed_as
 from oracles import (
+    ROUTER_TIE,
     fp8_index_scores,
     fp8_round,
     fp32_greedy,
+    moe_routers,
+    route,
+    routed,
     transformers_class,
     transformers_logprobs,
     transformers_model,
@@ -452,3 +458,88 @@ def test_the_second_selection_does_not_hide_a_bad_indexer_k_scale(dsa_runs, name
     bad = _dsa_run(r["model"], r["tokens"], "bad_k_scale")
     closer = torch.minimum(_lp_error(bad, r["ref"]), _lp_error(bad, r["fp8"]))[topk:].mean()
     assert closer >= 0.05, f"{name}: bad K scales within {closer:.4f} of one selection"
+    # nor does either selection routed as the bad engine
+    routed_lp, _ = routed_alternatives(r["model"], r["tokens"], bad[:-1])
+    closest = torch.stack([_lp_error(bad, a) for a in (r["ref"], r["fp8"], *routed_lp)])
+    closest = closest.min(0).values[topk:].mean()
+    assert closest >= 0.05, f"{name}: bad K scales within {closest:.4f} of a routed selection"
+
+
+def _near_ties(model, tokens) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """Every (router, row) near-tie of fp32 over tokens, and fp32's
+    log-probabilities, through routed() (no flips)."""
+    with routed(model) as state:
+        lp = transformers_logprobs(model, tokens)
+        ties = [(i, row) for i, margin in enumerate(state.margins)
+                for row in (margin < ROUTER_TIE).nonzero()[:, 0].tolist()]
+    return ties, lp
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_route_is_the_routers_own_forward(dsa_runs, name):
+    model = dsa_runs(name)["model"]
+    gen = torch.Generator().manual_seed(0)
+    for router in moe_routers(model):
+        h = torch.randn(64, router.hidden_dim, generator=gen)
+        logits, weights, experts = router(h)
+        mine = route(router, h, torch.zeros(64, dtype=torch.bool))
+        torch.testing.assert_close(mine[0], logits, rtol=0, atol=0)
+        order, mine_order = experts.sort(-1), mine[2].sort(-1)
+        assert torch.equal(order.values, mine_order.values)
+        torch.testing.assert_close(mine[1].gather(1, mine_order.indices),
+                                   weights.gather(1, order.indices))
+    ties, lp = _near_ties(model, dsa_runs(name)["tokens"])
+    torch.testing.assert_close(lp, dsa_runs(name)["ref"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_routed_as_takes_the_engines_side_of_each_near_tie(dsa_runs, name):
+    """An engine emulated as fp32 with a random half of the near-ties taken
+    the other way: routed_as() rebuilds it exactly, where fp32 itself is off
+    after the first such tie."""
+    r = dsa_runs(name)
+    model, tokens = r["model"], r["tokens"]
+    ties, _ = _near_ties(model, tokens)
+    assert len(ties) >= 4, f"{name}: {len(ties)} near-ties on the long prompt"
+    gen = torch.Generator().manual_seed(1)
+    with routed(model) as state:
+        # in sequence order, each tie as it stands after the ones before
+        decided = set()
+        transformers_logprobs(model, tokens)
+        while pending := sorted((row, i) for i, margin in enumerate(state.margins)
+                                for row in (margin < ROUTER_TIE).nonzero()[:, 0].tolist()
+                                if (i, row) not in decided):
+            row, i = pending[0]
+            decided.add((i, row))
+            if torch.rand(1, generator=gen) < 0.5:
+                state.flips.add((i, row))
+                transformers_logprobs(model, tokens)
+        engine = transformers_logprobs(model, tokens)
+    assert _lp_error(engine, r["ref"]).max() > 0.01, f"{name}: the flips change nothing"
+    lp, taken = routed_as(model, tokens, engine[:-1])
+    assert taken > 0
+    assert _lp_error(engine, lp)[:-1].max() < 1e-5  # the rows it was given
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm52", "dsv32"])
+def test_routed_as_does_not_hide_a_wrong_router(dsa_runs, name):
+    """Engines with a router bug stay far from fp32 routed as them: the k-th
+    expert replaced by the (k+1)-th on every token, or the top-k weights not
+    renormalised."""
+    r = dsa_runs(name)
+    model, tokens = r["model"], r["tokens"]
+    with routed(model) as state:
+        rows = len(tokens)
+        state.flips = {(i, row) for i in range(len(moe_routers(model))) for row in range(rows)}
+        wrong_expert = transformers_logprobs(model, tokens)
+    for router in moe_routers(model):
+        router.norm_topk_prob = not router.norm_topk_prob
+    try:
+        unnormalised = transformers_logprobs(model, tokens)
+    finally:
+        for router in moe_routers(model):
+            router.norm_topk_prob = not router.norm_topk_prob
+    for bug, engine in (("wrong expert", wrong_expert), ("weights", unnormalised)):
+        lp, _ = routed_as(model, tokens, engine[:-1])
+        closer = torch.minimum(_lp_error(engine, r["ref"]), _lp_error(engine, lp)).mean()
+        assert closer >= 0.05, f"{name} {bug}: within {closer:.4f} of fp32 routed as it"
