@@ -113,6 +113,11 @@ def oracle(runs) -> list[torch.Tensor]:
     return out
 
 
+def _show(what: str, **figures) -> None:
+    # the figures of a passing run too (pytest -rA shows them)
+    print(f"{MODEL} {what}: {json.dumps(figures)}")
+
+
 def _bar(peer: float) -> float:
     return RATIO * max(peer, FLOOR)
 
@@ -135,6 +140,7 @@ def test_long_prompts_match_fp32_as_well_as_the_peer(runs, oracle):
     assert topk == 2048, f"{MODEL}: index_topk {topk}, not the real models' 2048"
     ours = _vs_oracle(runs["fp16-whole"], oracle, topk)
     peer = _vs_oracle(runs["peer-whole"], oracle, topk)
+    _show("vs fp32", ours=ours, peer=peer)
     for part in ("active", "all_keys"):
         assert ours[part] <= _bar(peer[part]), (
             f"{part}: scale-free {ours[part]:.4f} > {RATIO} x the peer's {peer[part]:.4f}")
@@ -158,6 +164,7 @@ def _drift(a: dict, b: dict, key: str) -> torch.Tensor:
 def test_chunked_prefill_across_the_boundary_changes_nothing(runs, against, key):
     ours = _drift(runs["fp16-whole"], runs[f"fp16-{against}"], key)
     peer = _drift(runs["peer-whole"], runs[f"peer-{against}"], key)
+    _show(f"{against} {key}", ours=ours.mean().item(), peer=peer.mean().item())
     assert ours.mean() <= _bar(peer.mean()), (
         f"{key}: chunked moves ours {ours.mean():.4f}, the peer {peer.mean():.4f}")
 
@@ -170,6 +177,7 @@ def test_a_cached_prefix_changes_nothing(runs):
                   "generated")
     peer = _drift({"prompts": [runs["peer-cached"]["prompts"][1]]}, runs["peer-fresh"],
                   "generated")
+    _show("cached prefix", ours=ours.mean().item(), peer=peer.mean().item())
     assert ours.mean() <= _bar(peer.mean()), (
         f"prefix cache moves ours {ours.mean():.4f}, the peer {peer.mean():.4f}")
     mine, theirs = runs["fp16-cached"]["prompts"][1], runs["fp16-fresh"]["prompts"][0]
