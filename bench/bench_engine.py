@@ -9,6 +9,8 @@ scripts/run-bench-engine.sh); its modules are the package bench/engine.
     bench_engine.py build-llama-cpp [--cache DIR]  # llama-server + llama-bench, CUDA, once
     bench_engine.py pack-llama-src DEST.tar.gz  # pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
     bench_engine.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
+    bench_engine.py profile [--quick] [--files ...] [--paths ...] [--scenarios ...]
+                                                # where a step's time goes (GPU)
     bench_engine.py render [--results DIR] [--check]  # engine.md from engine.jsonl
 
 build-models, build-llama-cpp and pack-llama-src take the pinned llama.cpp
@@ -117,6 +119,21 @@ def cmd_run(args) -> int:
     return run.Runner(args, plan).run()
 
 
+def cmd_profile(args) -> int:
+    from engine import step_profile as profile
+
+    paths = args.paths.split(",") if args.paths else ["triton-fp16", "flashmla-bf16"]
+    scenarios = (args.scenarios.split(",") if args.scenarios else
+                 profile.QUICK_SCENARIOS if args.quick else list(profile.SCENARIOS))
+    for name in scenarios:
+        if name not in profile.SCENARIOS:
+            raise SystemExit(f"--scenarios {name}: one of {', '.join(profile.SCENARIOS)}")
+    for path in paths:
+        if path not in wl.PATHS:
+            raise SystemExit(f"--paths {path}: one of {', '.join(wl.PATHS)}")
+    return profile.run(args, _files(args), paths, scenarios)
+
+
 def cmd_render(args) -> int:
     from engine import record
 
@@ -170,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start nothing new after this many seconds (partial data is kept)")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("profile", help="where the time of a step goes (GPU)")
+    selection(p)
+    p.add_argument("--paths", help=f"comma-separated, of {', '.join(wl.PATHS)} "
+                                   "(default: triton-fp16,flashmla-bf16)")
+    p.add_argument("--scenarios", help="comma-separated, of decode-1-32k, decode-32-32k, "
+                                       "decode-1-4k, decode-32-4k, prefill-16k")
+    p.add_argument("--models", default=str(MODELS))
+    p.add_argument("--results", default=str(BENCH / "results"))
+    p.add_argument("--work", default=str(WORK), help="server logs, traces")
+    p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("render", help="engine.md from engine.jsonl")
     p.add_argument("--results", default=str(BENCH / "results"))

@@ -16,7 +16,9 @@ record, then one row per measured case) with these tables:
 - ``llama_bench``: llama.cpp's own tool on the file (pp / tg at depth).
 
 ``engine.md`` is rendered from it, next to it (bench/render.py's style:
-deterministic, the same data give the same bytes).
+deterministic, the same data give the same bytes). The profile
+(bench/engine/step_profile.py) is ``engine_profile.jsonl``, one ``profile`` row
+per (file, path, scenario), rendered to ``engine_profile.md``.
 """
 
 from __future__ import annotations
@@ -133,16 +135,70 @@ def engine_md(run: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def profile_md(run: dict, rows: list[dict]) -> str:
+    out = ["# Engine profile: where the time of one step goes", ""]
+    out += [*header(run), ""]
+    out += [
+        ("`vllm serve` with vLLM's torch profiler (worker only, no stacks), CUDA graphs on; "
+         "each scenario's steps after the profiler's first two (decode), or the long prompt's "
+         "chunks (prefill). Step: start to the next step's start (decode), or to its last "
+         "kernel's end (prefill); GPU busy: the union of its kernels; not on the GPU: the "
+         "rest (CPU work, launches, waiting). Kernel times are summed per category, so "
+         "overlapping kernels can add up past the busy time."),
+        "",
+    ]
+    prof = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "profile"]
+    if prof:
+        out += ["## Steps", ""]
+        out += table(
+            ["file", "scenario", "path", "steps", "step µs", "GPU busy µs", "not on GPU µs",
+             "batch"],
+            "lllrrrrl",
+            [[f"{i['checkpoint']} {i['type']}", i["scenario"], i["path"], str(f["steps"]),
+              fmt(f["step_us"], ".1f"), fmt(f["gpu_busy_us"], ".1f"),
+              fmt(f["not_gpu_us"], ".1f"),
+              (f"{f['batch']['gen_requests']:g} decoding" if not f["batch"]["ctx_requests"]
+               else f"{f['batch']['ctx_tokens']:g} prompt tokens")] for i, f in prof],
+        )  # fmt: skip
+        out.append("")
+        out += ["## By category (µs per step, share of the step)", ""]
+        cats = []
+        for i, f in prof:
+            for cat, us in f["categories_us"].items():
+                cats.append([f"{i['checkpoint']} {i['type']}", i["scenario"], i["path"], cat,
+                             fmt(us, ".1f"), f"{100 * us / f['step_us']:.1f} %"])
+        out += table(["file", "scenario", "path", "category", "µs", "share"], "llllrr", cats)
+        out.append("")
+        out += ["## Largest kernels", ""]
+        top = [[i["scenario"], i["path"], k["category"],
+                "`" + k["kernel"].replace("|", "\\|") + "`", fmt(k["us"], ".1f")]
+               for i, f in prof for k in f["top_kernels"][:8]]
+        out += table(["scenario", "path", "category", "kernel", "µs per step"], "llllr", top)
+        out.append("")
+        out += ["## Commands", "", "```"]
+        seen = []
+        for _, f in prof:
+            if f.get("command") and f["command"] not in seen:
+                seen.append(f["command"])
+        out += [*seen, "```", ""]
+    out += [(f"Rendered by bench/bench_engine.py render from `engine_profile.jsonl`; "
+             f"analysis: [docs/performance.md]({ENGINE_DOC}).")]
+    return "\n".join(out) + "\n"
+
+
 # bench -> {file: renderer}, in bench/render.py's shape (for its RENDERERS)
-RENDERERS = {"engine": {"engine.md": engine_md}}
+RENDERERS = {"engine": {"engine.md": engine_md},
+             "engine_profile": {"engine_profile.md": profile_md}}
 
 
 def render(root: Path, check: bool = False) -> list[str]:
     problems = []
-    for src in sorted(Path(root).glob("*/engine.jsonl")):
+    sources = [(src, engine_md) for src in sorted(Path(root).glob("*/engine.jsonl"))]
+    sources += [(src, profile_md) for src in sorted(Path(root).glob("*/engine_profile.jsonl"))]
+    for src, renderer in sources:
         run, rows = read(src)
-        target = src.parent / "engine.md"
-        content = engine_md(run, rows).encode()
+        target = src.with_suffix(".md")
+        content = renderer(run, rows).encode()
         if check:
             if not target.exists() or target.read_bytes() != content:
                 problems.append(f"{target}: differs from what {src.name} renders")
