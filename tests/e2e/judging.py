@@ -373,19 +373,23 @@ def routed_as(tf, tokens: list[int], engine: torch.Tensor,
                 state.flips.discard((i, row))
 
 
-def routed_alternatives(tf, tokens: list[int], engine: torch.Tensor) -> tuple[torch.Tensor, int]:
+def routed_alternatives(tf, tokens: list[int], engine: torch.Tensor,
+                        topk: int | None = None) -> tuple[torch.Tensor, int]:
     """routed_as() on both of transformers' selections, stacked as
-    transformers_alternatives(), and the near-ties taken the other way."""
+    transformers_alternatives(), and the near-ties taken the other way.
+    Where no row sees more than topk keys the two selections are one (run
+    once)."""
     fp32, n32 = routed_as(tf, tokens, engine)
+    if topk is not None and len(tokens) <= topk:
+        return torch.stack([fp32, fp32]), n32
     with fp8_index_scores(tf):
         fp8, n8 = routed_as(tf, tokens, engine)
     return torch.stack([fp32, fp8]), n32 + n8
 
 
-def _engine_rows(r: dict, text: str | None) -> torch.Tensor:
-    """The engine's whole vectors over prompt (+ text): row i after i + 1 tokens."""
-    rows = [r["full"]["prompt"]] + ([r["full"][text]] if text else [])
-    return torch.cat(rows)
+def _engine_rows(r: dict, text: str) -> torch.Tensor:
+    """The engine's whole vectors over prompt + text: row i after i + 1 tokens."""
+    return torch.cat([r["full"]["prompt"], r["full"][text]])
 
 
 def oracles_for(manifest, model: str, gguf_type: str):
@@ -427,30 +431,34 @@ def judge(manifest, model: str, gguf_type: str, res: dict, peer: dict | None = N
         tf_forced, lc_forced = forced_oracles(manifest, model, gguf_type,
                                               [r["forced"] for r in res["prompts"]])
 
+    topk = index_topk(manifest, model)
     taken = None
     if all("full" in r for r in res["prompts"]):
-        # each selection routed as this engine, beside the two
+        # each selection routed as this engine, beside the two: over prompt +
+        # generated (its prompt rows also stand for the prompt's: a row's
+        # near-ties depend on the rows before it only) and prompt + forced
         taken = 0
 
-        def with_routed(alternatives, text):
+        def routed(text):
             nonlocal taken
             out = []
-            for p, r, lp in zip(prompts(), res["prompts"], alternatives):
-                extra, n = routed_alternatives(tf, p + (r[text] if text else []),
-                                               _engine_rows(r, text))
+            for p, r in zip(prompts(), res["prompts"]):
+                alts, n = routed_alternatives(tf, p + r[text], _engine_rows(r, text), topk)
                 taken += n
-                out.append(torch.cat([_alternatives(lp), extra]))
+                out.append(alts)
             return out
 
-        tf_prompt = with_routed(tf_prompt, None)
-        tf_gen = with_routed(tf_gen, "generated")
+        routed_gen = routed("generated")
+        tf_prompt = [torch.cat([_alternatives(lp), extra[:, : len(p)]])
+                     for p, lp, extra in zip(prompts(), tf_prompt, routed_gen)]
+        tf_gen = [torch.cat([_alternatives(lp), extra]) for lp, extra in zip(tf_gen, routed_gen)]
         if tf_forced is not None and all("forced" in r["full"] for r in res["prompts"]):
-            tf_forced = with_routed(tf_forced, "forced")
+            tf_forced = [torch.cat([_alternatives(lp), extra])
+                         for lp, extra in zip(tf_forced, routed("forced"))]
 
     def tie(oracle: str) -> float | None:
         return peer[oracle]["p90"] if peer and oracle in peer else None
 
-    topk = index_topk(manifest, model)
     vs_tf = compare(res, tf_prompt, tf_gen, tie("vs_transformers"), topk, peer, tf_forced)
     if taken is not None:
         vs_tf["router_ties_taken"] = taken
