@@ -564,8 +564,9 @@ def test_record_reads_back_and_renders(tmp_path):
 def test_render_machinery_shape():
     """engine.md and engine_profile.md plug into bench/render.py's RENDERERS
     as they are (bench/render.py's renderers())."""
-    assert record.RENDERERS == {"engine": {"engine.md": record.engine_md},
-                                "engine_profile": {"engine_profile.md": record.profile_md}}
+    expected = {"engine": {"engine.md": record.engine_md},
+                "engine_profile": {"engine_profile.md": record.profile_md}}
+    assert expected == record.RENDERERS
 
 
 # ---------------------------------------------------------------------------
