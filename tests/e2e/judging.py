@@ -56,6 +56,7 @@ tokens (top-k covers the context).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 from pathlib import Path
@@ -350,27 +351,48 @@ def routed_as(tf, tokens: list[int], engine: torch.Tensor,
     (margin < tie) of the rows the engine has (engine: [rows, vocabulary], row
     i after tokens[: i + 1]) taken the way whose row is nearer the engine's,
     in sequence order, each on the rows before it as decided. Returns them
-    and how many near-ties were taken the other way."""
+    and how many near-ties were taken the other way. Each choice runs its
+    one row on a cache of the rows before it; a choice taken, the rows after
+    it again (their near-ties move); the result is one whole forward."""
+    ids = torch.tensor([tokens], device=next(tf.parameters()).device)
+
+    def rows(state, start: int, end: int, cache):
+        """Log-probabilities of rows start..end-1 on cache (rows before start)."""
+        state.offset = start
+        out = tf(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
+        state.offset = 0
+        return torch.log_softmax(out.logits[0].float(), dim=-1).cpu(), out.past_key_values
+
     with routed(tf) as state:
-        lp, taken, decided = transformers_logprobs(tf, tokens), 0, set()
+        lp, cache = rows(state, 0, len(tokens), None)
+        taken, decided = 0, set()
         while True:
             pending = sorted((row, i) for i, margin in enumerate(state.margins)
                              for row in (margin < tie).nonzero()[:, 0].tolist()
                              if row < len(engine) and (i, row) not in decided)
             if not pending:
-                return lp, taken
+                break
             row, i = pending[0]
             decided.add((i, row))
+            before = None
+            if row:
+                before = copy.deepcopy(cache)
+                before.crop(row - len(tokens))  # rows before this one
             state.flips.add((i, row))
-            state.record = False  # the margins stay those of the whole sequence
-            other = transformers_logprobs(tf, tokens[: row + 1])[row:]
+            state.record = False
+            other, _ = rows(state, row, row + 1, copy.deepcopy(before))
             state.record = True
             here = engine[row : row + 1]
             if scale_free(here, other) < scale_free(here, lp[row : row + 1]):
                 taken += 1
-                lp = transformers_logprobs(tf, tokens)
+                after, cache = rows(state, row, len(tokens), before)
+                lp = torch.cat([lp[:row], after])
             else:
                 state.flips.discard((i, row))
+        if taken:
+            state.record = False
+            lp = transformers_logprobs(tf, tokens)
+    return lp, taken
 
 
 def routed_alternatives(tf, tokens: list[int], engine: torch.Tensor,

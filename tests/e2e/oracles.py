@@ -260,13 +260,15 @@ def route(router, hidden_states: torch.Tensor, flip: torch.Tensor):
 class Routing:
     """While active (routed()): every MoE router of a transformers model
     routes as route() does, taking the other expert at the (router, row)
-    pairs in flips; after each forward, margins[i] holds router i's margin
-    per row (when record is on)."""
+    pairs in flips (rows: positions in the sequence; a forward over a cache
+    starts at row offset); after each forward, margins[i] holds router i's
+    margin per row of the sequence (when record is on)."""
 
     def __init__(self, n: int):
         self.flips: set[tuple[int, int]] = set()
         self.margins: list[torch.Tensor | None] = [None] * n
         self.record = True
+        self.offset = 0
 
 
 @contextlib.contextmanager
@@ -281,11 +283,12 @@ def routed(model):
             rows = hidden_states.reshape(-1, router.hidden_dim).shape[0]
             flip = torch.zeros(rows, dtype=torch.bool, device=hidden_states.device)
             for j, row in state.flips:
-                if j == i and row < rows:
-                    flip[row] = True
+                if j == i and 0 <= row - state.offset < rows:
+                    flip[row - state.offset] = True
             logits, weights, experts, margin = route(router, hidden_states, flip)
             if state.record:
-                state.margins[i] = margin
+                before = state.margins[i][: state.offset] if state.offset else margin[:0]
+                state.margins[i] = torch.cat([before, margin])
             return logits, weights, experts
         return run
 
