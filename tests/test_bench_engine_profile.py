@@ -8,6 +8,8 @@ from __future__ import annotations
 import gzip
 import http.server
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -239,3 +241,14 @@ def test_profile_record_renders(tmp_path):
     assert "| sparse attention | 300.0 | 30.0 % |" in md
     assert "4096 prompt tokens" in md
     assert record.render(tmp_path, check=True) == []
+
+
+def test_profile_names_a_missing_file(tmp_path):
+    cli = Path(__file__).resolve().parents[1] / "bench" / "bench_engine.py"
+    r = subprocess.run([sys.executable, str(cli), "profile", "--quick", "--models",
+                        str(tmp_path / "models"), "--work", str(tmp_path / "work"),
+                        "--results", str(tmp_path / "results")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "glm5-tp8/build.json: missing; build the files first" in r.stderr
+    assert "Traceback" not in r.stderr
