@@ -281,15 +281,8 @@ class Runner:
     def run(self) -> int:
         models = Path(self.args.models)
         for name, gtype in self.plan["files"]:
-            info_path = models / name / "build.json"
-            if not info_path.is_file():
-                raise SystemExit(f"{info_path}: missing; build the files first "
-                                 f"(bench_engine.py build-models)")
-            info = json.loads(info_path.read_text())
-            if gtype not in info["files"]:
-                raise SystemExit(f"{name}: no {gtype} file in {info_path}; build it first")
+            info, gguf, hf = built_file(models, name, gtype)
             f = info["files"][gtype]
-            gguf, hf = models / name / f["file"], models / name / "hf"
             routing = [v["max_over_mean"] for v in info.get("routing", {}).values()]
             self.data.row("files", {"checkpoint": name, "type": gtype}, bytes=f["bytes"],
                           types=f["types"], parameters=info.get("parameters"),
@@ -307,6 +300,19 @@ class Runner:
         self.save()
         failed = [n for n in self.data.notes if "Error" in n or "FAILED" in n]
         return 1 if failed else 0
+
+
+def built_file(models: Path, name: str, gtype: str) -> tuple[dict, Path, Path]:
+    """(build.json, GGUF file, HF folder) of one built file; a missing build
+    or type is an error that says so."""
+    info_path = models / name / "build.json"
+    if not info_path.is_file():
+        raise SystemExit(f"{info_path}: missing; build the files first "
+                         f"(bench_engine.py build-models)")
+    info = json.loads(info_path.read_text())
+    if gtype not in info["files"]:
+        raise SystemExit(f"{name}: no {gtype} file in {info_path}; build it first")
+    return info, models / name / info["files"][gtype]["file"], models / name / "hf"
 
 
 def known_files(arg: str | None) -> list[tuple[str, str]] | None:

@@ -318,7 +318,7 @@ def run(args, files: list[tuple[str, str]], paths: list[str], scenarios: list[st
 
     from . import record
     from . import workloads as wl
-    from .run import REPORT_SM, START_TIMEOUT, Server, _shown, free_port
+    from .run import REPORT_SM, START_TIMEOUT, Server, _shown, built_file, free_port
 
     env = environment()
     env["scenarios"] = scenarios
@@ -331,14 +331,7 @@ def run(args, files: list[tuple[str, str]], paths: list[str], scenarios: list[st
     max_len = -(-(max(s.context for s in picked) + DECODE_TOKENS) // 1024) * 1024
     failed = 0
     for name, gtype in files:
-        info_path = models / name / "build.json"
-        if not info_path.is_file():
-            raise SystemExit(f"{info_path}: missing; build the files first "
-                             f"(bench_engine.py build-models)")
-        info = json.loads(info_path.read_text())
-        if gtype not in info["files"]:
-            raise SystemExit(f"{name}: no {gtype} file in {info_path}; build it first")
-        gguf, hf = models / name / info["files"][gtype]["file"], models / name / "hf"
+        info, gguf, hf = built_file(models, name, gtype)
         vocab = info["spec"]["vocab"]
         for path in paths:
             p = wl.PATHS[path]
