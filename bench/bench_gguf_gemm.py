@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Time vLLM's GGUF matrix kernels at the benchmark checkpoints' shapes,
+against the same layer with its weights dequantized to fp16 first.
+
+For each GGUF type users' files hold and each batch size (1 token to a 16k
+prefill):
+
+- ``moe``: the routed experts of one MoE layer (gate/up, SiLU-and-multiply,
+  down, top-k weights) through the path the engine takes
+  (``torch.ops.vllm._fused_moe_gguf``: ggml's MMQ kernel above 64 tokens
+  where the type has one, else the vector kernel), against the same layer
+  with fp16 experts through vLLM's Triton ``fused_experts``, and the cost
+  of dequantizing all of the layer's experts to fp16 once;
+- ``dense``: one GGUF linear layer (``torch.ops.vllm._fused_mul_mat_gguf``)
+  against dequantize + ``torch.matmul``, and the dequantize alone.
+
+Weights are random GGUF blocks with every block scale set to a finite
+value (the kernels' speed does not depend on the values); routing is
+uniform over the experts. Times: median of triton.testing.do_bench after
+a warm-up, CUDA graphs off (these are prefill-size calls; the decode sizes
+are dominated by launch overhead here and are timed for the shape of the
+curve only). Writes bench/results/<card>/gguf_gemm.jsonl (or under
+--results).
+
+    python bench/bench_gguf_gemm.py [--quick] [--results DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import gguf
+import torch
+import triton.testing
+from gguf import GGMLQuantizationType as T
+
+from benchdata import BenchData, environment, results_dir
+
+# byte offsets of the fp16 block scales in each type's block (ggml-common.h)
+SCALE_OFFSETS = {
+    T.Q8_0: (0,), T.Q5_0: (0,), T.Q4_0: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
+    T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.IQ1_S: (0,),
+}
+# (gate/up type, down type) as users' files pair them: Q4_K_M's experts
+# take Q6_K for some layers' down projections (use_more_bits); the dynamic
+# mixtures keep down one step above gate/up
+EXPERT_TYPES = [
+    ("f16", None, None),
+    ("q8_0", T.Q8_0, T.Q8_0),
+    ("q4_k_m", T.Q4_K, T.Q6_K),
+    ("q4_k", T.Q4_K, T.Q4_K),
+    ("q3_k", T.Q3_K, T.Q3_K),
+    ("q2_k", T.Q2_K, T.Q3_K),
+    ("iq4_xs", T.IQ4_XS, T.IQ4_XS),
+    ("iq3_xxs", T.IQ3_XXS, T.IQ3_XXS),
+    ("iq2_xxs", T.IQ2_XXS, T.IQ3_XXS),
+]
+DENSE_TYPES = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K, T.IQ4_XS]
+# (name, experts, hidden, moe_intermediate, top_k): one TP rank's routed experts
+MOE_SHAPES = [
+    ("glm5-tp8", 256, 6144, 256, 8),
+    ("glm5-tp4", 256, 6144, 512, 8),
+    ("dsv32-tp8", 256, 7168, 256, 8),
+]
+# (name, out, in): GLM-5 TP-8 rank linears that run as GGUF GEMMs in prefill
+DENSE_SHAPES = [
+    ("q_a+kv_a (6144 -> 2048+576)", 2624, 6144),
+    ("q_b (2048 -> 8 x 256)", 2048, 2048),
+    ("o_proj (8 x 256 -> 6144)", 6144, 2048),
+    ("dense gate_up (6144 -> 2 x 1536)", 3072, 6144),
+    ("dense down (1536 -> 6144)", 6144, 1536),
+]
+TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+QUICK_TOKENS = [1, 32, 128, 512, 2048, 8192, 16384]
+
+
+def random_blocks(qtype: T, rows: int, cols: int, gen: torch.Generator,
+                  lead: tuple[int, ...] = (), device: str = "cuda") -> torch.Tensor:
+    """[*lead, rows, bytes] uint8 of random blocks, block scales finite."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    assert cols % block == 0, (qtype.name, cols)
+    nb = cols // block
+    n = 1
+    for d in lead:
+        n *= d
+    raw = torch.randint(0, 256, (n * rows * nb, size), dtype=torch.uint8, device=device,
+                        generator=gen)
+    scale = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).to(device)
+    for off in SCALE_OFFSETS[qtype]:
+        raw[:, off:off + 2] = scale
+    return raw.view(*lead, rows, nb * size)
+
+
+def dequant(w: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    rows = w.numel() // w.shape[-1]
+    return ops.ggml_dequantize(w.reshape(rows, -1), int(qtype), rows, cols,
+                               torch.float16).view(*w.shape[:-1], cols)
+
+
+def ms(fn, *args) -> float:
+    """Median ms of ``fn(*args)``."""
+    fn(*args)
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(lambda: fn(*args), warmup=3, rep=30,
+                                   return_mode="median")
+
+
+def _dequant_layer(q13, t13, h, q2, t2, inter):
+    return dequant(q13, t13, h), dequant(q2, t2, inter)
+
+
+def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
+    import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
+    from vllm.model_executor.layers.fused_moe import fused_experts
+    from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
+
+    for shape, e, h, inter, top_k in MOE_SHAPES:
+        for name, t13, t2 in EXPERT_TYPES:
+            if name == "f16":
+                w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=gen,
+                                  dtype=torch.float16) * 0.02
+                w2 = torch.randn(e, h, inter, device="cuda", generator=gen,
+                                 dtype=torch.float16) * 0.02
+                q13 = q2 = None
+            else:
+                q13 = random_blocks(t13, 2 * inter, h, gen, (e,))
+                q2 = random_blocks(t2, h, inter, gen, (e,))
+                w13, w2 = dequant(q13, t13, h), dequant(q2, t2, inter)
+            dq_ms = None
+            if q13 is not None:
+                dq_ms = ms(_dequant_layer, q13, t13, h, q2, t2, inter)
+            for n in tokens:
+                x = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.float16)
+                ids = torch.rand(n, e, device="cuda", generator=gen).argsort(-1)[:, :top_k]
+                ids = ids.to(torch.int32).contiguous()
+                wts = torch.rand(n, top_k, device="cuda", generator=gen).softmax(-1)
+                f16_ms = ms(fused_experts, x, w13, w2, wts, ids)
+                gguf_ms, kernel = None, None
+                if q13 is not None:
+                    kernel = ("mmq" if n > 64 and t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
+                              else "mmvq")
+                    gguf_ms = ms(torch.ops.vllm._fused_moe_gguf, x, q13, q2, wts, ids, int(t13),
+                                 int(t2), "silu")
+                flop = 2 * n * top_k * 3 * h * inter
+                data.row("moe", {"shape": shape, "experts": e, "hidden": h,
+                                 "moe_intermediate": inter, "top_k": top_k, "type": name,
+                                 "tokens": n},
+                         kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms,
+                         dequant_all_ms=dq_ms,
+                         gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
+                         f16_tflops=flop / f16_ms / 1e9)
+                print(f"moe {shape} {name:8s} {n:6d} tok: gguf {gguf_ms or 0:8.3f} ms ({kernel}) "
+                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms", flush=True)
+            w13 = w2 = q13 = q2 = None
+            torch.cuda.empty_cache()
+
+
+def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
+    import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
+
+    for shape, out, inp in DENSE_SHAPES:
+        for qtype in DENSE_TYPES:
+            q = random_blocks(qtype, out, inp, gen)
+            w = dequant(q, qtype, inp)
+            dq_ms = ms(dequant, q, qtype, inp)
+            for n in tokens:
+                x = torch.randn(n, inp, device="cuda", generator=gen, dtype=torch.float16)
+                gguf_ms = ms(torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                f16_ms = ms(torch.matmul, x, w.T)
+                data.row("dense", {"shape": shape, "out": out, "in": inp, "type": qtype.name,
+                                   "tokens": n},
+                         gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms)
+                print(f"dense {shape} {qtype.name:7s} {n:6d} tok: gguf {gguf_ms:8.3f} ms "
+                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    ap.add_argument("--results", default=None, help="results root (default bench/results)")
+    ap.add_argument("--skip", default="", help="comma-separated: moe, dense")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench_gguf_gemm.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    env = environment()
+    data = BenchData("gguf_gemm", env)
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    skip = set(filter(None, args.skip.split(",")))
+    folder = results_dir(env.get("card", "unknown-card"), args.results)
+    try:
+        if "dense" not in skip:
+            bench_dense(data, tokens, gen)
+        if "moe" not in skip:
+            bench_moe(data, tokens, gen)
+    finally:
+        data.figures["seconds"] = round(time.time() - t0, 1)
+        print(data.write(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""bench/bench_gguf_gemm.py on CPU: its random GGUF blocks decode (llama.cpp's
+own numpy dequantizer, gguf-py) to finite weights whose size follows the
+block scale it sets, for every type it times."""
+
+from __future__ import annotations
+
+import bench_gguf_gemm as bench
+import gguf
+import numpy as np
+import pytest
+import torch
+
+TYPES = sorted({t for _, a, b in bench.EXPERT_TYPES for t in (a, b) if t is not None}
+               | set(bench.DENSE_TYPES), key=lambda t: t.name)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_blocks_have_finite_scaled_weights(qtype):
+    gen = torch.Generator().manual_seed(int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    q = bench.random_blocks(qtype, 4, 2 * block, gen, (3,), device="cpu")
+    assert q.shape == (3, 4, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
+    w = gguf.quants.dequantize(q.numpy().reshape(-1), qtype)
+    assert w.size == 3 * 4 * 2 * block
+    assert np.isfinite(w).all() and np.abs(w).max() > 0
+    # every fp16 block scale is one the bench set: doubling them doubles the weights
+    raw = q.numpy().reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
+    for off in bench.SCALE_OFFSETS[qtype]:
+        assert (raw[:, off:off + 2].view(np.float16) == np.float16(0.001)).all()
+        raw[:, off:off + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    w2 = gguf.quants.dequantize(raw.reshape(-1), qtype)
+    np.testing.assert_allclose(w2, 2 * w, rtol=1e-2, atol=1e-7)
