@@ -373,6 +373,50 @@ def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
     return "\n".join(out + footer("dsa_indexer")) + "\n"
 
 
+def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
+    out = ["# GGUF matrix kernels against fp16 weights through the float kernels", "",
+           *header(run), "",
+           ("GGUF: vLLM's own path for the layer (MoE: `_fused_moe_gguf`, ggml's MMQ kernel "
+            "above 64 tokens where both types have one, else the vector kernel; linear: "
+            "`_fused_mul_mat_gguf`). fp16: the same weights dequantized once, through "
+            "`fused_experts` (Triton) or `torch.matmul`. Dequantize: all of the layer's "
+            "weights to fp16, once. GGUF / fp16 > 1: the GGUF kernel is slower; (dequantize "
+            "+ fp16) / GGUF < 1: dequantizing per call would be faster. Median ms.")]
+    moe = rows_of(rows, "moe")
+    for shape in dict.fromkeys(i["shape"] for i, _ in moe):
+        first = next(i for i, _ in moe if i["shape"] == shape)
+        out += ["", (f"## Routed experts, {shape}: {first['experts']} experts, hidden "
+                     f"{first['hidden']}, moe_intermediate {first['moe_intermediate']}, "
+                     f"top-{first['top_k']}"), ""]
+        out += table(
+            ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
+             "(dequantize + fp16) / GGUF", "GGUF TFLOP/s"],
+            "lrlrrrrrr",
+            [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
+              fmt(m.get("f16_fused_ms"), ".4g"),
+              fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
+              fmt(m.get("dequant_all_ms"), ".4g"),
+              fmt((m["dequant_all_ms"] + m["f16_fused_ms"]) / m["gguf_ms"]
+                  if m.get("gguf_ms") else None, ".2f"),
+              fmt(m.get("gguf_tflops"), ".1f")]
+             for i, m in moe if i["shape"] == shape],
+        )  # fmt: skip
+    dense = rows_of(rows, "dense")
+    if dense:
+        out += ["", "## Linear layers (GLM-5, one TP-8 rank)", ""]
+        out += table(
+            ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
+             "(dequantize + fp16) / GGUF"],
+            "llrrrrrr",
+            [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
+              fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
+              fmt(m.get("dequant_ms"), ".4g"),
+              fmt((m["dequant_ms"] + m["f16_matmul_ms"]) / m["gguf_ms"], ".2f")]
+             for i, m in dense],
+        )  # fmt: skip
+    return "\n".join(out + footer("gguf_gemm")) + "\n"
+
+
 # bench -> {file name: renderer}
 RENDERERS = {
     "sparse_mla": {
@@ -383,6 +427,7 @@ RENDERERS = {
     "sparse_mla_paths": {"sparse_mla_paths.md": sparse_mla_paths_md},
     "sparse_mla_decode_bounds": {"sparse_mla_decode_bounds.md": sparse_mla_decode_bounds_md},
     "dsa_indexer": {"dsa_indexer.md": dsa_indexer_md},
+    "gguf_gemm": {"gguf_gemm.md": gguf_gemm_md},
 }
 
 
