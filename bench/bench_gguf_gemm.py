@@ -8,13 +8,16 @@ For each GGUF type users' files hold and each batch size (1 token to a 16k
 prefill):
 
 - ``moe``: the routed experts of one MoE layer (gate/up, SiLU-and-multiply,
-  down, top-k weights) through the path the engine takes
-  (``torch.ops.vllm._fused_moe_gguf``: ggml's MMQ kernel above 64 tokens
-  where the type has one, else the vector kernel), against the same layer
-  with fp16 experts through vLLM's Triton ``fused_experts``, and the cost
-  of dequantizing all of the layer's experts to fp16 once;
-- ``dense``: one GGUF linear layer (``torch.ops.vllm._fused_mul_mat_gguf``)
-  against dequantize + ``torch.matmul``, and the dequantize alone.
+  down, top-k weights) through ggml's kernels (``_fused_moe_gguf`` with
+  VLLM_GGUF_DEQUANT_GEMM=0: the MMQ kernel above 64 tokens where the type
+  has one, else the vector kernel), against the same layer with fp16
+  experts through vLLM's Triton ``fused_experts``, the cost of
+  dequantizing all of the layer's experts to fp16 once, and the engine's
+  own choice (the op with the series' defaults: dequantize + the float
+  kernels from a batch size on);
+- ``dense``: one GGUF linear layer (``_fused_mul_mat_gguf``) likewise:
+  ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
+  the engine's choice.
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
@@ -30,6 +33,8 @@ curve only). Writes bench/results/<card>/gguf_gemm.jsonl (or under
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
@@ -105,6 +110,28 @@ def dequant(w: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
                                torch.float16).view(*w.shape[:-1], cols)
 
 
+@contextlib.contextmanager
+def ggml_only():
+    """The GGUF ops with ggml's kernels at every batch size (the series'
+    VLLM_GGUF_DEQUANT_GEMM=0; a wheel without the switch has only those)."""
+    old = os.environ.get("VLLM_GGUF_DEQUANT_GEMM")
+    os.environ["VLLM_GGUF_DEQUANT_GEMM"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VLLM_GGUF_DEQUANT_GEMM"]
+        else:
+            os.environ["VLLM_GGUF_DEQUANT_GEMM"] = old
+
+
+def has_dequant_switch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(
+        "vllm.model_executor.layers.quantization.gguf_dequant") is not None
+
+
 def ms(fn, *args) -> float:
     """Median ms of ``fn(*args)``."""
     fn(*args)
@@ -122,6 +149,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
     from vllm.model_executor.layers.fused_moe import fused_experts
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
+    switch = has_dequant_switch()
     for shape, e, h, inter, top_k in MOE_SHAPES:
         for name, t13, t2 in EXPERT_TYPES:
             if name == "f16":
@@ -143,28 +171,34 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
                 ids = ids.to(torch.int32).contiguous()
                 wts = torch.rand(n, top_k, device="cuda", generator=gen).softmax(-1)
                 f16_ms = ms(fused_experts, x, w13, w2, wts, ids)
-                gguf_ms, kernel = None, None
+                gguf_ms = kernel = engine_ms = None
                 if q13 is not None:
                     kernel = ("mmq" if n > 64 and t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                               else "mmvq")
-                    gguf_ms = ms(torch.ops.vllm._fused_moe_gguf, x, q13, q2, wts, ids, int(t13),
-                                 int(t2), "silu")
+                    args = (x, q13, q2, wts, ids, int(t13), int(t2), "silu")
+                    with ggml_only():
+                        gguf_ms = ms(torch.ops.vllm._fused_moe_gguf, *args)
+                    if switch:
+                        engine_ms = ms(torch.ops.vllm._fused_moe_gguf, *args)
                 flop = 2 * n * top_k * 3 * h * inter
                 data.row("moe", {"shape": shape, "experts": e, "hidden": h,
                                  "moe_intermediate": inter, "top_k": top_k, "type": name,
                                  "tokens": n},
-                         kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms,
+                         kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms, engine_ms=engine_ms,
                          dequant_all_ms=dq_ms,
                          gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
                          f16_tflops=flop / f16_ms / 1e9)
                 print(f"moe {shape} {name:8s} {n:6d} tok: gguf {gguf_ms or 0:8.3f} ms ({kernel}) "
-                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms", flush=True)
+                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms "
+                      f"engine {engine_ms or 0:8.3f} ms", flush=True)
             w13 = w2 = q13 = q2 = None
             torch.cuda.empty_cache()
 
 
 def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
+
+    switch = has_dequant_switch()
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:
@@ -173,13 +207,18 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
             dq_ms = ms(dequant, q, qtype, inp)
             for n in tokens:
                 x = torch.randn(n, inp, device="cuda", generator=gen, dtype=torch.float16)
-                gguf_ms = ms(torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                with ggml_only():
+                    gguf_ms = ms(torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                engine_ms = (ms(torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                             if switch else None)
                 f16_ms = ms(torch.matmul, x, w.T)
                 data.row("dense", {"shape": shape, "out": out, "in": inp, "type": qtype.name,
                                    "tokens": n},
-                         gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms)
+                         gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms,
+                         engine_ms=engine_ms)
                 print(f"dense {shape} {qtype.name:7s} {n:6d} tok: gguf {gguf_ms:8.3f} ms "
-                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms", flush=True)
+                      f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms "
+                      f"engine {engine_ms or 0:8.3f} ms", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

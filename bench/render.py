@@ -381,7 +381,9 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "`_fused_mul_mat_gguf`). fp16: the same weights dequantized once, through "
             "`fused_experts` (Triton) or `torch.matmul`. Dequantize: all of the layer's "
             "weights to fp16, once. GGUF / fp16 > 1: the GGUF kernel is slower; (dequantize "
-            "+ fp16) / GGUF < 1: dequantizing per call would be faster. Median ms.")]
+            "+ fp16) / GGUF < 1: dequantizing per call would be faster. Engine: the op with "
+            "the series' defaults (dequantize + the float kernels from a batch size on); "
+            "GGUF / engine: its speed-up over ggml's kernels. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)
@@ -390,15 +392,16 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
                      f"top-{first['top_k']}"), ""]
         out += table(
             ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
-             "(dequantize + fp16) / GGUF", "GGUF TFLOP/s"],
-            "lrlrrrrrr",
+             "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine"],
+            "lrlrrrrrrrr",
             [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_fused_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
               fmt(m.get("dequant_all_ms"), ".4g"),
               fmt((m["dequant_all_ms"] + m["f16_fused_ms"]) / m["gguf_ms"]
                   if m.get("gguf_ms") else None, ".2f"),
-              fmt(m.get("gguf_tflops"), ".1f")]
+              fmt(m.get("gguf_tflops"), ".1f"), fmt(m.get("engine_ms"), ".4g"),
+              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f")]
              for i, m in moe if i["shape"] == shape],
         )  # fmt: skip
     dense = rows_of(rows, "dense")
@@ -406,12 +409,14 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         out += ["", "## Linear layers (GLM-5, one TP-8 rank)", ""]
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
-             "(dequantize + fp16) / GGUF"],
-            "llrrrrrr",
+             "(dequantize + fp16) / GGUF", "engine", "GGUF / engine"],
+            "llrrrrrrrr",
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
-              fmt((m["dequant_ms"] + m["f16_matmul_ms"]) / m["gguf_ms"], ".2f")]
+              fmt((m["dequant_ms"] + m["f16_matmul_ms"]) / m["gguf_ms"], ".2f"),
+              fmt(m.get("engine_ms"), ".4g"),
+              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f")]
              for i, m in dense],
         )  # fmt: skip
     return "\n".join(out + footer("gguf_gemm")) + "\n"

@@ -1,0 +1,259 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prefill-size GGUF batches through the float kernels (gguf_dequant.py):
+from a batch size on, a GGUF linear layer dequantizes its weight and runs
+torch.matmul, and the routed experts dequantize (a group of experts at a
+time when they are large) and run vLLM's Triton fused MoE.
+
+CPU: which path a batch takes (thresholds, types, VLLM_GGUF_DEQUANT_GEMM=0),
+and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
+fused_experts (fp64, honouring expert_map) show that every expert is
+dequantized once, its tokens computed by its own group only, and the sum
+equal to the fp64 reference, for one group, several and one expert a group.
+GPU (`-m gpu`): the real kernels through the registered ops, in fp16 and
+bf16, against the fp64 reference of the same blocks: tighter than ggml's
+kernels (which quantize the activations to 8 bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, random_blocks
+
+E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
+
+
+def _module():
+    from vllm.model_executor.layers.quantization import gguf_dequant
+
+    return gguf_dequant
+
+
+def experts(types, seed=0, device="cpu"):
+    """(raw [w1, w3, w2], fp64 values [gate, up, down]) of random experts."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(E, INTER, HIDDEN), (E, INTER, HIDDEN), (E, HIDDEN, INTER)]
+    blocks = [random_blocks(t, s, g) for t, s in zip(types, shapes, strict=True)]
+    return [r.to(device) for r, _ in blocks], [v.to(device) for _, v in blocks]
+
+
+def batch(tokens, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    topk_ids = torch.rand(tokens, E, generator=g).argsort(-1)[:, :TOP_K]
+    topk_weights = torch.rand(tokens, TOP_K, generator=g) + 0.1
+    return x.to(device), topk_weights.to(device), topk_ids.to(torch.int32).to(device)
+
+
+def assert_close_to(out, ref, tol, what):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: NaN or Inf in the output"
+    err = (out.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= tol * scale, f"{what}: max |err| {err:.3g} > {tol} * {scale:.3g}"
+
+
+# ---------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------
+
+
+class CpuFloatKernels:
+    """ggml_dequantize (gguf-py, rounded to the asked dtype) and
+    fused_experts (fp64 from its float weights, honouring expert_map and
+    global_num_experts, rounded to x's dtype) on the CPU; records the
+    dequantized rows and each fused_experts call's local experts."""
+
+    def __init__(self):
+        self.dequantized: list[tuple[str, int]] = []
+        self.groups: list[list[int]] = []
+
+    def install(self, monkeypatch):
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers import fused_moe
+
+        monkeypatch.setattr(ops, "ggml_dequantize", self.ggml_dequantize)
+        monkeypatch.setattr(fused_moe, "fused_experts", self.fused_experts)
+        return self
+
+    def ggml_dequantize(self, w, qtype, m, n, dtype):
+        assert w.dtype == torch.uint8 and w.dim() == 2 and w.shape[0] == m
+        name = QType(qtype).name
+        self.dequantized.append((name, m))
+        out = dequantize(w, name)
+        assert out.shape == (m, n)
+        return out.to(dtype)
+
+    def fused_experts(self, x, w1, w2, topk_weights, topk_ids, activation=None,
+                      global_num_experts=-1, expert_map=None, **kwargs):
+        assert not kwargs, kwargs
+        assert w1.dtype == w2.dtype == x.dtype
+        local = topk_ids.long()
+        if expert_map is not None:
+            assert global_num_experts == expert_map.numel()
+            local = expert_map.long()[local]
+        self.groups.append(sorted(set(local[local >= 0].tolist())))
+        keep = local >= 0
+        # tokens of other groups: weight 0, any valid local expert
+        ids = torch.where(keep, local, 0)
+        weights = torch.where(keep, topk_weights, 0)
+        inter = w1.shape[1] // 2
+        out = moe_reference(x, w1[:, :inter], w1[:, inter:], w2, weights, ids)
+        return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [E, 3, 1], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS", "Q5_K")],
+                         ids="-".join)
+def test_grouped_experts_match_the_fp64_reference(types, group, dtype, monkeypatch):
+    """Every expert dequantized once; each group's fused MoE sees only its
+    experts; gate and up of different types concatenate into [gate | up];
+    the groups sum to the reference."""
+    mod = _module()
+    kernels = CpuFloatKernels().install(monkeypatch)
+    per_expert = (2 * INTER + INTER) * HIDDEN * torch.finfo(dtype).bits // 8
+    monkeypatch.setattr(mod, "MOE_DEQUANT_BYTES", group * per_expert)
+    raw, values = experts(types)
+    x, topk_weights, topk_ids = batch(40, dtype, seed=group)
+    halves = ([(raw[0], int(QType[types[0]])), (raw[1], int(QType[types[1]]))]
+              if types[0] != types[1] else
+              [(torch.cat(raw[:2], dim=1), int(QType[types[0]]))])
+    out = mod.moe_dequant(x, halves, raw[2], int(QType[types[2]]), topk_weights, topk_ids,
+                          "silu")
+    assert out.dtype == dtype
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    assert_close_to(out, ref, {torch.float32: 1e-6, torch.float16: 4e-3}[dtype],
+                    f"{types} group {group}")
+    # one fused MoE per group, the groups disjoint and together all experts
+    # that have tokens
+    assert len(kernels.groups) == -(-E // group)
+    covered = [lo + e for lo, g in zip(range(0, E, group), kernels.groups) for e in g]
+    assert sorted(covered) == sorted(set(topk_ids.flatten().tolist()))
+    rows = sum(m for _, m in kernels.dequantized)
+    assert rows == E * (2 * INTER + HIDDEN)
+
+
+def test_a_fused_moe_ignoring_the_groups_is_caught(monkeypatch):
+    """The check above can fail: a fused MoE that reads global expert ids
+    as its group's local ones computes the wrong experts."""
+    mod = _module()
+    kernels = CpuFloatKernels().install(monkeypatch)
+    real = kernels.fused_experts
+
+    def ignores_map(x, w1, w2, topk_weights, topk_ids, global_num_experts=-1,
+                    expert_map=None, **kwargs):
+        return real(x, w1, w2, topk_weights, topk_ids % w1.shape[0], **kwargs)
+
+    from vllm.model_executor.layers import fused_moe
+
+    monkeypatch.setattr(fused_moe, "fused_experts", ignores_map)
+    monkeypatch.setattr(mod, "MOE_DEQUANT_BYTES", 4 * 3 * INTER * HIDDEN * 4)
+    raw, values = experts(("Q4_K", "Q4_K", "Q6_K"))
+    x, topk_weights, topk_ids = batch(40, torch.float32, seed=1)
+    out = mod.moe_dequant(x, [(torch.cat(raw[:2], dim=1), int(QType.Q4_K))], raw[2],
+                          int(QType.Q6_K), topk_weights, topk_ids, "silu")
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err > 0.1, f"a fused MoE ignoring the groups within {err:.3g} of the reference"
+
+
+def test_which_batches_dequantize(monkeypatch):
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    dense, moe = mod.DENSE_DEQUANT_MIN_TOKENS, mod.MOE_DEQUANT_MIN_TOKENS
+    q4k, iq2, f16 = int(QType.Q4_K), int(QType.IQ2_XXS), int(QType.F16)
+    assert mod.use_dense_dequant(dense, q4k) and mod.use_dense_dequant(dense, iq2)
+    assert not mod.use_dense_dequant(dense - 1, q4k)
+    assert not mod.use_dense_dequant(dense, f16)  # float weights need no dequantize
+    assert mod.use_moe_dequant(moe, q4k, iq2, q4k)
+    assert not mod.use_moe_dequant(moe - 1, q4k, q4k)
+    assert not mod.use_moe_dequant(moe, q4k, int(QType.MXFP4))  # no dequantize kernel
+    monkeypatch.setenv("VLLM_GGUF_DEQUANT_GEMM", "0")
+    assert not mod.use_dense_dequant(10**6, q4k)
+    assert not mod.use_moe_dequant(10**6, q4k, q4k)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch):
+    """_fused_moe_gguf above the threshold: dequantize + fused MoE, no ggml
+    GEMM; with VLLM_GGUF_DEQUANT_GEMM=0 or below it: ggml's kernels."""
+    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
+
+    mod = _module()
+    monkeypatch.setenv("VLLM_GGUF_DEQUANT_GEMM", switch)
+    monkeypatch.setattr(mod, "MOE_DEQUANT_MIN_TOKENS", 20)
+    ggml = CpuGgufMoeOps().install(monkeypatch)
+    floats = CpuFloatKernels().install(monkeypatch)
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    raw, values = experts(types)
+    w13 = torch.cat(raw[:2], dim=1)
+    for tokens in (19, 20):
+        x, topk_weights, topk_ids = batch(tokens, torch.float32, seed=tokens)
+        ggml.calls.clear()
+        floats.groups.clear()
+        out = _fused_moe_gguf(x, w13, raw[2], topk_weights, topk_ids, int(QType.Q4_K),
+                              int(QType.Q6_K), "silu")
+        assert_close_to(out, moe_reference(x, *values, topk_weights, topk_ids), 1e-6,
+                        f"{tokens} tokens")
+        float_path = switch == "1" and tokens >= 20
+        assert bool(floats.groups) == float_path and bool(ggml.calls) != float_path
+
+
+# ---------------------------------------------------------------------------
+# GPU: the real kernels
+# ---------------------------------------------------------------------------
+
+# fp16 / bf16 weights and activations, fp32 accumulation: a few roundings of
+# the dtype (max |err| / max |ref|)
+GPU_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
+@pytest.mark.parametrize("group", [E, 3], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize(
+    "types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XXS", "IQ2_XXS", "IQ3_S"),
+              ("Q8_0", "Q8_0", "Q8_0"), ("IQ4_XS", "Q6_K", "Q5_K")], ids="-".join)
+def test_moe_float_path_on_the_gpu(types, group, dtype, monkeypatch):
+    """The registered op at the threshold: ggml_dequantize and the Triton
+    fused MoE (the split op where gate and up differ) against fp64."""
+    from vllm.model_executor.layers.quantization import gguf_split_moe
+    from vllm.model_executor.layers.quantization.gguf import fused_moe_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    per_expert = 3 * INTER * HIDDEN * 2
+    monkeypatch.setattr(mod, "MOE_DEQUANT_BYTES", group * per_expert)
+    raw, values = experts(types, device="cuda")
+    x, topk_weights, topk_ids = batch(mod.MOE_DEQUANT_MIN_TOKENS, dtype, seed=5, device="cuda")
+    qt = [int(QType[t]) for t in types]
+    if types[0] == types[1]:
+        out = fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights, topk_ids,
+                             qt[0], qt[2], "silu")
+    else:
+        out = gguf_split_moe.fused_moe_gguf_split(x, *raw, topk_weights, topk_ids, *qt, "silu")
+    torch.cuda.synchronize()
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    assert_close_to(out, ref, GPU_TOL[dtype], f"{types} {dtype} group {group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ2_XXS"])
+def test_linear_float_path_on_the_gpu(qtype, dtype, monkeypatch):
+    from vllm.model_executor.layers.quantization.gguf import fused_mul_mat_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    raw, values = random_blocks(qtype, (768, HIDDEN), torch.Generator().manual_seed(3))
+    x = torch.randn(mod.DENSE_DEQUANT_MIN_TOKENS, HIDDEN,
+                    generator=torch.Generator().manual_seed(4)).to(dtype)
+    out = fused_mul_mat_gguf(x.cuda(), raw.cuda(), int(QType[qtype]))
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == (x.shape[0], 768)
+    assert_close_to(out.cpu(), x.double() @ values.T, GPU_TOL[dtype], f"{qtype} {dtype}")
+
