@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -132,6 +133,38 @@ def has_dequant_switch() -> bool:
         "vllm.model_executor.layers.quantization.gguf_dequant") is not None
 
 
+# ggml_moe_a8_vec fails to launch (CUDA "invalid argument") at 8,192 tokens
+# x top-8 rows (65,536): seen on an H200, 2026-12-02
+VEC_MAX_ROWS = 65535
+
+
+def moe_kernel(kind: str, x, q13, q2, wts, ids, t13: int, t2: int) -> torch.Tensor:
+    """The routed experts through one of ggml's kernels at any batch size:
+    what _fused_moe_gguf runs above 64 tokens ("mmq", ggml_moe_a8) and at
+    or below ("vec", ggml_moe_a8_vec)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
+
+    n, top_k = ids.shape
+    e, rows, _ = q13.shape
+    hidden = q2.shape[1]
+    if kind == "mmq":  # one alignment for both GEMMs, by the gate/up type, as upstream
+        aligned = moe_align_block_size(ids, ops.ggml_moe_get_block_size(t13), e)
+        up = ops.ggml_moe_a8(x, q13, *aligned, t13, rows, top_k, n)
+    else:
+        up = ops.ggml_moe_a8_vec(x, q13, ids, top_k, t13, rows, n)
+    h = torch.empty(up.shape[0], rows // 2, dtype=up.dtype, device=up.device)
+    torch.ops._C.silu_and_mul(h, up)
+    if kind == "mmq":
+        down = ops.ggml_moe_a8(h, q2, *aligned, t2, hidden, 1, n * top_k)
+    else:
+        down = ops.ggml_moe_a8_vec(h, q2, ids, 1, t2, hidden, n * top_k)
+    down = down.view(n, top_k, hidden).mul_(wts.view(n, top_k, 1))
+    out = torch.empty_like(x)
+    ops.moe_sum(down, out)
+    return out
+
+
 def ms(fn, *args) -> float:
     """Median ms of ``fn(*args)``."""
     fn(*args)
@@ -144,13 +177,16 @@ def _dequant_layer(q13, t13, h, q2, t2, inter):
     return dequant(q13, t13, h), dequant(q2, t2, inter)
 
 
-def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
+def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
+              shapes: list[str]) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
     from vllm.model_executor.layers.fused_moe import fused_experts
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
     for shape, e, h, inter, top_k in MOE_SHAPES:
+        if shapes and shape not in shapes:
+            continue
         for name, t13, t2 in EXPERT_TYPES:
             if name == "f16":
                 w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=gen,
@@ -171,26 +207,37 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
                 ids = ids.to(torch.int32).contiguous()
                 wts = torch.rand(n, top_k, device="cuda", generator=gen).softmax(-1)
                 f16_ms = ms(fused_experts, x, w13, w2, wts, ids)
-                gguf_ms = kernel = engine_ms = None
+                gguf_ms = kernel = engine_ms = mmq_ms = vec_ms = None
+                notes = []
                 if q13 is not None:
-                    kernel = ("mmq" if n > 64 and t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
-                              else "mmvq")
+                    has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
+                    kernel = "mmq" if n > 64 and has_mmq else "mmvq"
+                    vec_fits = n * top_k <= VEC_MAX_ROWS
                     args = (x, q13, q2, wts, ids, int(t13), int(t2), "silu")
-                    with ggml_only():
-                        gguf_ms = ms(torch.ops.vllm._fused_moe_gguf, *args)
+                    if kernel == "mmq" or vec_fits:
+                        with ggml_only():
+                            gguf_ms = ms(torch.ops.vllm._fused_moe_gguf, *args)
+                    else:
+                        notes.append(f"vector kernel not launched: {n * top_k:,} rows")
                     if switch:
                         engine_ms = ms(torch.ops.vllm._fused_moe_gguf, *args)
+                    if has_mmq:
+                        mmq_ms = ms(moe_kernel, "mmq", *args[:-1])
+                    if vec_fits and n <= 2048:
+                        vec_ms = ms(moe_kernel, "vec", *args[:-1])
                 flop = 2 * n * top_k * 3 * h * inter
                 data.row("moe", {"shape": shape, "experts": e, "hidden": h,
                                  "moe_intermediate": inter, "top_k": top_k, "type": name,
                                  "tokens": n},
                          kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms, engine_ms=engine_ms,
+                         mmq_ms=mmq_ms, vec_ms=vec_ms, notes=notes,
                          dequant_all_ms=dq_ms,
                          gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
                          f16_tflops=flop / f16_ms / 1e9)
                 print(f"moe {shape} {name:8s} {n:6d} tok: gguf {gguf_ms or 0:8.3f} ms ({kernel}) "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms "
-                      f"engine {engine_ms or 0:8.3f} ms", flush=True)
+                      f"engine {engine_ms or 0:8.3f} ms mmq {mmq_ms or 0:8.3f} ms "
+                      f"vec {vec_ms or 0:8.3f} ms", flush=True)
             w13 = w2 = q13 = q2 = None
             torch.cuda.empty_cache()
 
@@ -226,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--results", default=None, help="results root (default bench/results)")
     ap.add_argument("--skip", default="", help="comma-separated: moe, dense")
+    ap.add_argument("--shapes", default="",
+                    help=f"comma-separated MoE shapes (default all: "
+                         f"{', '.join(s[0] for s in MOE_SHAPES)})")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench_gguf_gemm.py needs a CUDA GPU", file=sys.stderr)
@@ -236,12 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     skip = set(filter(None, args.skip.split(",")))
+    # a run stopped by a time limit still writes what it measured (finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = results_dir(env.get("card", "unknown-card"), args.results)
     try:
         if "dense" not in skip:
             bench_dense(data, tokens, gen)
         if "moe" not in skip:
-            bench_moe(data, tokens, gen)
+            bench_moe(data, tokens, gen, list(filter(None, args.shapes.split(","))))
     finally:
         data.figures["seconds"] = round(time.time() - t0, 1)
         print(data.write(folder))

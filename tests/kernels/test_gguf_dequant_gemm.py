@@ -165,12 +165,18 @@ def test_which_batches_dequantize(monkeypatch):
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
     dense, moe = mod.DENSE_DEQUANT_MIN_TOKENS, mod.MOE_DEQUANT_MIN_TOKENS
-    q4k, iq2, f16 = int(QType.Q4_K), int(QType.IQ2_XXS), int(QType.F16)
+    vec = mod.MOE_DEQUANT_MIN_TOKENS_VEC
+    assert vec < moe
+    q4k, q6k, iq2, f16 = (int(QType.Q4_K), int(QType.Q6_K), int(QType.IQ2_XXS),
+                          int(QType.F16))
     assert mod.use_dense_dequant(dense, q4k) and mod.use_dense_dequant(dense, iq2)
     assert not mod.use_dense_dequant(dense - 1, q4k)
     assert not mod.use_dense_dequant(dense, f16)  # float weights need no dequantize
-    assert mod.use_moe_dequant(moe, q4k, iq2, q4k)
-    assert not mod.use_moe_dequant(moe - 1, q4k, q4k)
+    # types with ggml's MMQ kernel keep it up to MOE_DEQUANT_MIN_TOKENS
+    assert mod.use_moe_dequant(moe, q4k, q6k) and not mod.use_moe_dequant(moe - 1, q4k, q6k)
+    # a type with only the vector kernel (in any half) dequantizes from the lower bound
+    assert mod.use_moe_dequant(vec, iq2, iq2) and mod.use_moe_dequant(vec, q4k, iq2, q6k)
+    assert not mod.use_moe_dequant(vec - 1, iq2, iq2)
     assert not mod.use_moe_dequant(moe, q4k, int(QType.MXFP4))  # no dequantize kernel
     monkeypatch.setenv("VLLM_GGUF_DEQUANT_GEMM", "0")
     assert not mod.use_dense_dequant(10**6, q4k)
@@ -216,7 +222,7 @@ GPU_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 @pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
 @pytest.mark.parametrize("group", [E, 3], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize(
-    "types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XXS", "IQ2_XXS", "IQ3_S"),
+    "types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XXS", "IQ2_XXS", "IQ4_XS"),
               ("Q8_0", "Q8_0", "Q8_0"), ("IQ4_XS", "Q6_K", "Q5_K")], ids="-".join)
 def test_moe_float_path_on_the_gpu(types, group, dtype, monkeypatch):
     """The registered op at the threshold: ggml_dequantize and the Triton
@@ -257,3 +263,13 @@ def test_linear_float_path_on_the_gpu(qtype, dtype, monkeypatch):
     assert out.dtype == dtype and out.shape == (x.shape[0], 768)
     assert_close_to(out.cpu(), x.double() @ values.T, GPU_TOL[dtype], f"{qtype} {dtype}")
 
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="vLLM 0.23's compiled IQ3_S grid decodes level 15 "
+                   "as 15.5 (the table before llama.cpp's IQ3_S change of March 2024)")
+def test_iq3_s_dequantize_matches_gguf_py():
+    from vllm import _custom_ops as ops
+
+    raw, values = random_blocks("IQ3_S", (64, HIDDEN), torch.Generator().manual_seed(9))
+    out = ops.ggml_dequantize(raw.cuda(), int(QType.IQ3_S), 64, HIDDEN, torch.float32)
+    torch.testing.assert_close(out.double().cpu(), values, rtol=0, atol=1e-6)
