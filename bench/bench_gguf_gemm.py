@@ -9,8 +9,9 @@ prefill):
 
 - ``moe``: the routed experts of one MoE layer (gate/up, SiLU-and-multiply,
   down, top-k weights) through ggml's kernels (``_fused_moe_gguf`` with
-  VLLM_GGUF_DEQUANT_GEMM=0: the MMQ kernel above 64 tokens where the type
-  has one, else the vector kernel), against the same layer with fp16
+  VLLM_GGUF_DEQUANT_GEMM=0: the MMQ kernel where the type has one from
+  the series' MOE_MMQ_MIN_TOKENS, upstream's above 64, else the vector
+  kernel; also each of the two forced at every batch size), against the same layer with fp16
   experts through vLLM's Triton ``fused_experts``, the cost of
   dequantizing all of the layer's experts to fp16 once, and the engine's
   own choice (the op with the series' defaults: dequantize + the float
@@ -83,7 +84,7 @@ DENSE_SHAPES = [
     ("dense down (1536 -> 6144)", 6144, 1536),
 ]
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-QUICK_TOKENS = [1, 32, 128, 512, 2048, 8192, 16384]
+QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 
 
 def random_blocks(qtype: T, rows: int, cols: int, gen: torch.Generator,
@@ -130,7 +131,7 @@ def has_dequant_switch() -> bool:
     import importlib.util
 
     return importlib.util.find_spec(
-        "vllm.model_executor.layers.quantization.gguf_dequant") is not None
+        "vllm.model_executor.layers.quantization.gguf_dispatch") is not None
 
 
 # ggml_moe_a8_vec fails to launch (CUDA "invalid argument") at 8,192 tokens
@@ -184,6 +185,11 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
+    mmq_from = 65  # upstream: MMQ above 64 tokens
+    if switch:
+        from vllm.model_executor.layers.quantization.gguf_dispatch import MOE_MMQ_MIN_TOKENS
+
+        mmq_from = MOE_MMQ_MIN_TOKENS
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -211,7 +217,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 notes = []
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
-                    kernel = "mmq" if n > 64 and has_mmq else "mmvq"
+                    kernel = "mmq" if n >= mmq_from and has_mmq else "mmvq"
                     vec_fits = n * top_k <= VEC_MAX_ROWS
                     args = (x, q13, q2, wts, ids, int(t13), int(t2), "silu")
                     if kernel == "mmq" or vec_fits:

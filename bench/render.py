@@ -383,7 +383,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "weights to fp16, once. GGUF / fp16 > 1: the GGUF kernel is slower; (dequantize "
             "+ fp16) / GGUF < 1: dequantizing per call would be faster. Engine: the op with "
             "the series' defaults (dequantize + the float kernels from a batch size on); "
-            "GGUF / engine: its speed-up over ggml's kernels. Median ms.")]
+            "GGUF / engine: its speed-up over ggml's kernels. MMQ, vector: ggml's two MoE "
+            "kernels forced at any batch size. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)
@@ -392,8 +393,9 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
                      f"top-{first['top_k']}"), ""]
         out += table(
             ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
-             "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine"],
-            "lrlrrrrrrrr",
+             "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine",
+             "MMQ", "vector", "notes"],
+            "lrlrrrrrrrrrrl",
             [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_fused_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
@@ -401,7 +403,10 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt((m["dequant_all_ms"] + m["f16_fused_ms"]) / m["gguf_ms"]
                   if m.get("gguf_ms") else None, ".2f"),
               fmt(m.get("gguf_tflops"), ".1f"), fmt(m.get("engine_ms"), ".4g"),
-              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f")]
+              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") and m.get("gguf_ms")
+                  else None, ".2f"),
+              fmt(m.get("mmq_ms"), ".4g"), fmt(m.get("vec_ms"), ".4g"),
+              "; ".join(m.get("notes") or [])]
              for i, m in moe if i["shape"] == shape],
         )  # fmt: skip
     dense = rows_of(rows, "dense")

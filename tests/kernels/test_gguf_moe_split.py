@@ -44,8 +44,9 @@ SPLIT_TYPES = [
     ("Q2_K", "Q3_K", "IQ4_XS"),
     ("Q4_0", "IQ2_XXS", "Q5_0"),
 ]
-# 1 and 5 tokens: vector kernels; 100 (> 64): MMQ for the types that have it.
-TOKENS = [1, 5, 100]
+# 1 and 5 tokens: vector kernels; 8 and 100: MMQ for the types that have it
+# (gguf_dispatch.MOE_MMQ_MIN_TOKENS).
+TOKENS = [1, 5, 8, 100]
 # The stand-ins compute in fp64 and round where a kernel writes (gate, up,
 # activation, down, router weight, sum): a few roundings of the dtype.
 CPU_TOL = {torch.float32: 1e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -90,7 +91,10 @@ def qtypes(types):
 
 
 def expected_kernels(types, tokens):
-    return [("mmq" if tokens > 64 and t in MMQ_TYPES else "vec", t) for t in types]
+    from vllm.model_executor.layers.quantization.gguf_dispatch import MOE_MMQ_MIN_TOKENS
+
+    return [("mmq" if tokens >= MOE_MMQ_MIN_TOKENS and t in MMQ_TYPES else "vec", t)
+            for t in types]
 
 
 def split(raw, x, topk_weights, topk_ids, types, op=False):
@@ -248,7 +252,7 @@ class _KernelSpy:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tokens", [1, 100])
+@pytest.mark.parametrize("tokens", [1, 32, 100])
 @pytest.mark.parametrize("types", GPU_TYPES, ids="-".join)
 def test_split_path_on_the_gpu(types, tokens, dtype, monkeypatch):
     """The real kernels: vector ones for one token, MMQ for a prefill-sized
@@ -269,7 +273,7 @@ def test_split_path_on_the_gpu(types, tokens, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tokens", [1, 100])
+@pytest.mark.parametrize("tokens", [1, 32, 100])
 @pytest.mark.parametrize(
     "types", [("Q4_K", "Q4_K", "Q8_0"), ("IQ4_XS", "IQ4_XS", "IQ4_XS")], ids="-".join
 )

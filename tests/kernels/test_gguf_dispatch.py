@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Prefill-size GGUF batches through the float kernels (gguf_dequant.py):
-from a batch size on, a GGUF linear layer dequantizes its weight and runs
-torch.matmul, and the routed experts dequantize (a group of experts at a
-time when they are large) and run vLLM's Triton fused MoE.
+"""Which kernels a GGUF batch runs (gguf_dispatch.py): routed experts take
+ggml's MMQ kernel from a few tokens where the type has one; from a batch
+size on, a GGUF linear layer dequantizes its weight and runs torch.matmul,
+and the routed experts dequantize (a group of experts at a time when they
+are large) and run vLLM's Triton fused MoE.
 
 CPU: which path a batch takes (thresholds, types, VLLM_GGUF_DEQUANT_GEMM=0),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
@@ -27,9 +28,9 @@ E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
 
 
 def _module():
-    from vllm.model_executor.layers.quantization import gguf_dequant
+    from vllm.model_executor.layers.quantization import gguf_dispatch
 
-    return gguf_dequant
+    return gguf_dispatch
 
 
 def experts(types, seed=0, device="cpu"):
