@@ -347,3 +347,31 @@ def test_expert_type_without_a_kernel_is_refused(tmp_path, gguf_files, configs, 
         _error(), match=rf"'blk\.1\.ffn_gate_exps\.weight': '{qtype.name}'"
     ):
         run_loader(dst, configs("glm"))
+
+
+def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch):
+    """vLLM's compiled IQ3_S grid is older than llama.cpp's: the tensors the
+    model reads in that type are named (and only those)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader import gguf_dsa
+
+    def tensor(name, qtype):
+        return SimpleNamespace(name=name, tensor_type=qtype)
+
+    readers = [SimpleNamespace(tensors=[
+        tensor("blk.1.ffn_down_exps.weight", QType.IQ3_S),
+        tensor("blk.1.ffn_up_exps.weight", QType.IQ3_XXS),
+        tensor("blk.9.ffn_down_exps.weight", QType.IQ3_S),  # not read: not named
+    ])]
+    name_map = {"blk.1.ffn_down_exps.weight": "x", "blk.1.ffn_up_exps.weight": "y"}
+    warnings = []
+    monkeypatch.setattr(gguf_dsa.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    named = gguf_dsa._warn_iq3_s(["m.gguf"], readers, name_map)
+    assert named == ["blk.1.ffn_down_exps.weight"]
+    assert len(warnings) == 1
+    assert "m.gguf: 1 tensors of type IQ3_S (blk.1.ffn_down_exps.weight)" in warnings[0]
+    assert "15.5 instead of 15" in warnings[0]
+    warnings.clear()
+    assert gguf_dsa._warn_iq3_s(["m.gguf"], readers, {"blk.1.ffn_up_exps.weight": "y"}) == []
+    assert warnings == []
