@@ -56,7 +56,7 @@ e2e-models:
 	$(SUPERVISE) env PYTHONPATH=scripts:tests$${PYTHONPATH:+:$$PYTHONPATH} \
 	  $(VENV)/bin/python tests/e2e/models.py build $${E2E_MODELS:-build/e2e}
 
-## bench: GPU benchmarks vs FlashMLA sparse / DeepGEMM (same run) -> bench/results/
+## bench: GPU kernel benchmarks vs FlashMLA sparse / DeepGEMM, ggml's GGUF kernels vs dequantize + float kernels (same run) -> bench/results/
 bench:
 	$(SUPERVISE) scripts/run-bench.sh
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make bench`: time the series' kernels against their peers in the same run
-# (FlashMLA sparse and DeepGEMM from the pinned wheel) on this machine's GPU,
+# (FlashMLA sparse and DeepGEMM from the pinned wheel; ggml's GGUF kernels
+# against dequantize + the float kernels) on this machine's GPU,
 # using the installed wheel. Each bench writes its data,
 # <results>/<card>/<bench>.jsonl; bench/render.py then renders the tables and
 # the plot next to them. Nothing else is written (analysis lives in
@@ -35,10 +36,11 @@ fi
 # The benches use the test support package (tests/support: references, peer loaders).
 export PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}"
 
-mla_args=() dsa_args=()
+mla_args=() dsa_args=() gguf_args=()
 if [ "$quick" = 1 ]; then
   mla_args=(--dtypes bf16 --heads 8 64 --sq 1 64)
   dsa_args=(--skip sweep --rep 20)
+  gguf_args=(--quick --shapes glm5-tp8)
 fi
 
 printf '\n==> sparse MLA (bench/bench_sparse_mla.py)\n'
@@ -50,6 +52,9 @@ third_party=$("$PY" -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm
 dsa_rc=0
 "$PY" bench/bench_dsa_indexer.py --deep-gemm "$third_party" --results "$results" "${dsa_args[@]}" \
   || dsa_rc=$?
+
+printf '\n==> GGUF kernels (bench/bench_gguf_gemm.py)\n'
+"$PY" bench/bench_gguf_gemm.py --results "$results" "${gguf_args[@]}"
 
 printf '\n==> render (bench/render.py)\n'
 "$PY" bench/render.py --results "$results"
