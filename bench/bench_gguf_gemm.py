@@ -134,8 +134,8 @@ def has_dequant_switch() -> bool:
         "vllm.model_executor.layers.quantization.gguf_dispatch") is not None
 
 
-# ggml_moe_a8_vec fails to launch (CUDA "invalid argument") at 8,192 tokens
-# x top-8 rows (65,536): seen on an H200, 2026-12-02
+# ggml_moe_a8_vec fails to launch (CUDA "invalid argument") from 65,536
+# token-expert rows (8,192 tokens at top-8), and the error poisons the context
 VEC_MAX_ROWS = 65535
 
 
