@@ -8,10 +8,10 @@ For each GGUF type users' files hold and each batch size (1 token to a 16k
 prefill):
 
 - ``moe``: the routed experts of one MoE layer (gate/up, SiLU-and-multiply,
-  down, top-k weights) through ggml's kernels (``_fused_moe_gguf`` with
-  VLLM_GGUF_DEQUANT_GEMM=0: the MMQ kernel where the type has one from
-  the series' MOE_MMQ_MIN_TOKENS, upstream's above 64, else the vector
-  kernel; also each of the two forced at every batch size), against the same layer with fp16
+  down, top-k weights) through upstream's choice of ggml's kernels
+  (``_fused_moe_gguf`` with VLLM_GGUF_KERNELS=upstream: the MMQ kernel above
+  64 tokens where the type has one, else the vector kernel; also each of
+  the two forced at every batch size), against the same layer with fp16
   experts through vLLM's Triton ``fused_experts``, the cost of
   dequantizing all of the layer's experts to fp16 once, and the engine's
   own choice (the op with the series' defaults: dequantize + the float
@@ -114,17 +114,17 @@ def dequant(w: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def ggml_only():
-    """The GGUF ops with ggml's kernels at every batch size (the series'
-    VLLM_GGUF_DEQUANT_GEMM=0; a wheel without the switch has only those)."""
-    old = os.environ.get("VLLM_GGUF_DEQUANT_GEMM")
-    os.environ["VLLM_GGUF_DEQUANT_GEMM"] = "0"
+    """The GGUF ops with upstream's choice of kernels (the series'
+    VLLM_GGUF_KERNELS=upstream; a wheel without the switch has only that)."""
+    old = os.environ.get("VLLM_GGUF_KERNELS")
+    os.environ["VLLM_GGUF_KERNELS"] = "upstream"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["VLLM_GGUF_DEQUANT_GEMM"]
+            del os.environ["VLLM_GGUF_KERNELS"]
         else:
-            os.environ["VLLM_GGUF_DEQUANT_GEMM"] = old
+            os.environ["VLLM_GGUF_KERNELS"] = old
 
 
 def has_dequant_switch() -> bool:
@@ -185,11 +185,6 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
-    mmq_from = 65  # upstream: MMQ above 64 tokens
-    if switch:
-        from vllm.model_executor.layers.quantization.gguf_dispatch import MOE_MMQ_MIN_TOKENS
-
-        mmq_from = MOE_MMQ_MIN_TOKENS
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -217,7 +212,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 notes = []
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
-                    kernel = "mmq" if n >= mmq_from and has_mmq else "mmvq"
+                    kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice
                     vec_fits = n * top_k <= VEC_MAX_ROWS
                     args = (x, q13, q2, wts, ids, int(t13), int(t2), "silu")
                     if kernel == "mmq" or vec_fits:

@@ -318,7 +318,12 @@ def test_workload_matrix():
     assert [w[n].input_len for n in prefill] == [4096, 16384, 65536]
     assert all(w[n].output_len == 1 for n in prefill)
     full = wl.plan(False)
-    assert full["paths"] == ["triton-fp16", "auto-sm120", "flashmla-bf16", "llama.cpp"]
+    assert full["paths"] == ["triton-fp16", "triton-fp16-ggml", "auto-sm120", "flashmla-bf16",
+                             "llama.cpp"]
+    # one variable at a time: the GGUF kernel choice is all that tells these two apart
+    ours, ggml = wl.PATHS["triton-fp16"], wl.PATHS["triton-fp16-ggml"]
+    assert ours.args == ggml.args
+    assert dict(ours.env, VLLM_GGUF_KERNELS="upstream") == ggml.env
     assert wl.max_model_len(full["workloads"]) == 132096
 
 

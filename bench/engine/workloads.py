@@ -81,13 +81,17 @@ PATHS = {
         VllmPath("auto-sm120", "the series' automatic choice, device reported as SM 12.0, fp16",
                  ("--dtype", "float16"),
                  {"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0"}, "12.0"),
+        VllmPath("triton-fp16-ggml", "the series' path with vLLM 0.23's choice of GGUF kernels "
+                 "(VLLM_GGUF_KERNELS=upstream: ggml's kernels at every batch size)",
+                 ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
+                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "upstream"}),
         VllmPath("flashmla-bf16", "upstream: FLASHMLA_SPARSE + DeepGEMM indexer, bf16",
                  ("--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16")),
     ]
 }
 LLAMA_CPP = "llama.cpp"
 QUICK_PATHS = ["triton-fp16", "flashmla-bf16", LLAMA_CPP]
-FULL_PATHS = ["triton-fp16", "auto-sm120", "flashmla-bf16", LLAMA_CPP]
+FULL_PATHS = ["triton-fp16", "triton-fp16-ggml", "auto-sm120", "flashmla-bf16", LLAMA_CPP]
 
 # (checkpoint, GGUF type) pairs of a full run, and of --quick
 FULL_FILES = [

@@ -6,7 +6,7 @@ size on, a GGUF linear layer dequantizes its weight and runs torch.matmul,
 and the routed experts dequantize (a group of experts at a time when they
 are large) and run vLLM's Triton fused MoE.
 
-CPU: which path a batch takes (thresholds, types, VLLM_GGUF_DEQUANT_GEMM=0),
+CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
 fused_experts (fp64, honouring expert_map) show that every expert is
 dequantized once, its tokens computed by its own group only, and the sum
@@ -164,7 +164,7 @@ def test_a_fused_moe_ignoring_the_groups_is_caught(monkeypatch):
 
 def test_which_batches_dequantize(monkeypatch):
     mod = _module()
-    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     dense, moe = mod.DENSE_DEQUANT_MIN_TOKENS, mod.MOE_DEQUANT_MIN_TOKENS
     vec = mod.MOE_DEQUANT_MIN_TOKENS_VEC
     assert vec < moe
@@ -179,19 +179,21 @@ def test_which_batches_dequantize(monkeypatch):
     assert mod.use_moe_dequant(vec, iq2, iq2) and mod.use_moe_dequant(vec, q4k, iq2, q6k)
     assert not mod.use_moe_dequant(vec - 1, iq2, iq2)
     assert not mod.use_moe_dequant(moe, q4k, int(QType.MXFP4))  # no dequantize kernel
-    monkeypatch.setenv("VLLM_GGUF_DEQUANT_GEMM", "0")
+    assert mod.moe_mmq_min_tokens() == mod.MOE_MMQ_MIN_TOKENS < 65
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
     assert not mod.use_dense_dequant(10**6, q4k)
     assert not mod.use_moe_dequant(10**6, q4k, q4k)
+    assert mod.moe_mmq_min_tokens() == 65  # vLLM 0.23: MMQ above 64 tokens
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
+@pytest.mark.parametrize("switch", ["series", "upstream"])
 def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch):
     """_fused_moe_gguf above the threshold: dequantize + fused MoE, no ggml
-    GEMM; with VLLM_GGUF_DEQUANT_GEMM=0 or below it: ggml's kernels."""
+    GEMM; with VLLM_GGUF_KERNELS=upstream or below it: ggml's kernels."""
     from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
 
     mod = _module()
-    monkeypatch.setenv("VLLM_GGUF_DEQUANT_GEMM", switch)
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", switch)
     monkeypatch.setattr(mod, "MOE_DEQUANT_MIN_TOKENS", 20)
     ggml = CpuGgufMoeOps().install(monkeypatch)
     floats = CpuFloatKernels().install(monkeypatch)
@@ -206,7 +208,7 @@ def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch)
                               int(QType.Q6_K), "silu")
         assert_close_to(out, moe_reference(x, *values, topk_weights, topk_ids), 1e-6,
                         f"{tokens} tokens")
-        float_path = switch == "1" and tokens >= 20
+        float_path = switch == "series" and tokens >= 20
         assert bool(floats.groups) == float_path and bool(ggml.calls) != float_path
 
 
@@ -232,7 +234,7 @@ def test_moe_float_path_on_the_gpu(types, group, dtype, monkeypatch):
     from vllm.model_executor.layers.quantization.gguf import fused_moe_gguf
 
     mod = _module()
-    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     per_expert = 3 * INTER * HIDDEN * 2
     monkeypatch.setattr(mod, "MOE_DEQUANT_BYTES", group * per_expert)
     raw, values = experts(types, device="cuda")
@@ -255,7 +257,7 @@ def test_linear_float_path_on_the_gpu(qtype, dtype, monkeypatch):
     from vllm.model_executor.layers.quantization.gguf import fused_mul_mat_gguf
 
     mod = _module()
-    monkeypatch.delenv("VLLM_GGUF_DEQUANT_GEMM", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     raw, values = random_blocks(qtype, (768, HIDDEN), torch.Generator().manual_seed(3))
     x = torch.randn(mod.DENSE_DEQUANT_MIN_TOKENS, HIDDEN,
                     generator=torch.Generator().manual_seed(4)).to(dtype)

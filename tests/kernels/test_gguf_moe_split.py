@@ -45,7 +45,7 @@ SPLIT_TYPES = [
     ("Q4_0", "IQ2_XXS", "Q5_0"),
 ]
 # 1 and 5 tokens: vector kernels; 8 and 100: MMQ for the types that have it
-# (gguf_dispatch.MOE_MMQ_MIN_TOKENS).
+# (gguf_dispatch.moe_mmq_min_tokens()).
 TOKENS = [1, 5, 8, 100]
 # The stand-ins compute in fp64 and round where a kernel writes (gate, up,
 # activation, down, router weight, sum): a few roundings of the dtype.
@@ -91,9 +91,9 @@ def qtypes(types):
 
 
 def expected_kernels(types, tokens):
-    from vllm.model_executor.layers.quantization.gguf_dispatch import MOE_MMQ_MIN_TOKENS
+    from vllm.model_executor.layers.quantization.gguf_dispatch import moe_mmq_min_tokens
 
-    return [("mmq" if tokens >= MOE_MMQ_MIN_TOKENS and t in MMQ_TYPES else "vec", t)
+    return [("mmq" if tokens >= moe_mmq_min_tokens() and t in MMQ_TYPES else "vec", t)
             for t in types]
 
 
