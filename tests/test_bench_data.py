@@ -159,6 +159,7 @@ def test_every_results_file_is_data_or_rendered_from_it():
         "sparse_mla_paths": {"sparse_mla_paths.md"},
         "sparse_mla_decode_bounds": {"sparse_mla_decode_bounds.md"},
         "dsa_indexer": {"dsa_indexer.md"},
+        "gguf_gemm": {"gguf_gemm.md"},
         "engine": {"engine.md"},
     }
     for card in (p for p in benchdata.RESULTS.iterdir() if p.is_dir()):
