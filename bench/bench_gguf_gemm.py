@@ -20,6 +20,9 @@ prefill):
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
   the engine's choice.
 
+Both also time the candidate Triton dequantizer of gguf_triton_dequant.py
+(Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's.
+
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
 uniform over the experts. Times: median of triton.testing.do_bench after
@@ -41,6 +44,7 @@ import sys
 import time
 
 import gguf
+import gguf_triton_dequant as tdq
 import torch
 import triton.testing
 from gguf import GGMLQuantizationType as T
@@ -178,6 +182,17 @@ def _dequant_layer(q13, t13, h, q2, t2, inter):
     return dequant(q13, t13, h), dequant(q2, t2, inter)
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b| (NaN counts as a difference)."""
+    d = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item()
+    return d / max(b.float().abs().max().item(), 1e-30)
+
+
+def _triton_dequant_layer(q13, t13, q2, t2):
+    return (tdq.dequantize(q13, t13, torch.float16),
+            tdq.dequantize(q2, t2, torch.float16))
+
+
 def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
               shapes: list[str]) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
@@ -199,9 +214,13 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 q13 = random_blocks(t13, 2 * inter, h, gen, (e,))
                 q2 = random_blocks(t2, h, inter, gen, (e,))
                 w13, w2 = dequant(q13, t13, h), dequant(q2, t2, inter)
-            dq_ms = None
+            dq_ms = tdq_ms = tdq_exact = None
             if q13 is not None:
                 dq_ms = ms(_dequant_layer, q13, t13, h, q2, t2, inter)
+                if tdq.supported(t13) and tdq.supported(t2):
+                    tdq_exact = max(_max_diff(tdq.dequantize(q13, t13, torch.float16), w13),
+                                    _max_diff(tdq.dequantize(q2, t2, torch.float16), w2))
+                    tdq_ms = ms(_triton_dequant_layer, q13, t13, q2, t2)
             for n in tokens:
                 x = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.float16)
                 ids = torch.rand(n, e, device="cuda", generator=gen).argsort(-1)[:, :top_k]
@@ -232,6 +251,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                                  "tokens": n},
                          kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms, engine_ms=engine_ms,
                          mmq_ms=mmq_ms, vec_ms=vec_ms, notes=notes,
+                         triton_dequant_ms=tdq_ms, triton_dequant_max_diff=tdq_exact,
                          dequant_all_ms=dq_ms,
                          gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
                          f16_tflops=flop / f16_ms / 1e9)
@@ -253,6 +273,10 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
             q = random_blocks(qtype, out, inp, gen)
             w = dequant(q, qtype, inp)
             dq_ms = ms(dequant, q, qtype, inp)
+            tdq_ms = tdq_exact = None
+            if tdq.supported(qtype):
+                tdq_exact = _max_diff(tdq.dequantize(q, qtype, torch.float16), w)
+                tdq_ms = ms(tdq.dequantize, q, qtype, torch.float16)
             for n in tokens:
                 x = torch.randn(n, inp, device="cuda", generator=gen, dtype=torch.float16)
                 with ggml_only():
@@ -263,7 +287,8 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                 data.row("dense", {"shape": shape, "out": out, "in": inp, "type": qtype.name,
                                    "tokens": n},
                          gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms,
-                         engine_ms=engine_ms)
+                         engine_ms=engine_ms, triton_dequant_ms=tdq_ms,
+                         triton_dequant_max_diff=tdq_exact)
                 print(f"dense {shape} {qtype.name:7s} {n:6d} tok: gguf {gguf_ms:8.3f} ms "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms "
                       f"engine {engine_ms or 0:8.3f} ms", flush=True)

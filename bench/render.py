@@ -373,6 +373,14 @@ def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
     return "\n".join(out + footer("dsa_indexer")) + "\n"
 
 
+def _triton_dequant(m: dict) -> str:
+    """The candidate Triton dequantizer's time and its distance from
+    ggml_dequantize's values (max |diff| / max |value|)."""
+    if m.get("triton_dequant_ms") is None:
+        return ""
+    return f"{m['triton_dequant_ms']:.4g} (diff {m['triton_dequant_max_diff']:.1e})"
+
+
 def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
     out = ["# GGUF matrix kernels against fp16 weights through the float kernels", "",
            *header(run), "",
@@ -384,7 +392,9 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "+ fp16) / GGUF < 1: dequantizing per call would be faster. Engine: the op with "
             "the series' defaults (dequantize + the float kernels from a batch size on); "
             "GGUF / engine: its speed-up over ggml's kernels. MMQ, vector: ggml's two MoE "
-            "kernels forced at any batch size. Median ms.")]
+            "kernels forced at any batch size. Dequantize (Triton): the candidate dequantizer of "
+            "bench/gguf_triton_dequant.py, with its largest difference from ggml_dequantize's "
+            "values relative to the largest value. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)
@@ -394,8 +404,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         out += table(
             ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine",
-             "MMQ", "vector", "notes"],
-            "lrlrrrrrrrrrrl",
+             "MMQ", "vector", "dequantize (Triton)", "notes"],
+            "lrlrrrrrrrrrrrl",
             [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_fused_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
@@ -406,7 +416,7 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") and m.get("gguf_ms")
                   else None, ".2f"),
               fmt(m.get("mmq_ms"), ".4g"), fmt(m.get("vec_ms"), ".4g"),
-              "; ".join(m.get("notes") or [])]
+              _triton_dequant(m), "; ".join(m.get("notes") or [])]
              for i, m in moe if i["shape"] == shape],
         )  # fmt: skip
     dense = rows_of(rows, "dense")
@@ -414,14 +424,15 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         out += ["", "## Linear layers (GLM-5, one TP-8 rank)", ""]
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
-             "(dequantize + fp16) / GGUF", "engine", "GGUF / engine"],
-            "llrrrrrrrr",
+             "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)"],
+            "llrrrrrrrrr",
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
               fmt((m["dequant_ms"] + m["f16_matmul_ms"]) / m["gguf_ms"], ".2f"),
               fmt(m.get("engine_ms"), ".4g"),
-              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f")]
+              fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f"),
+              _triton_dequant(m)]
              for i, m in dense],
         )  # fmt: skip
     return "\n".join(out + footer("gguf_gemm")) + "\n"

@@ -30,3 +30,74 @@ def test_random_blocks_have_finite_scaled_weights(qtype):
         raw[:, off:off + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
     w2 = gguf.quants.dequantize(raw.reshape(-1), qtype)
     np.testing.assert_allclose(w2, 2 * w, rtol=1e-2, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_triton_dequantizer_writes_gguf_py_values(qtype, dtype, monkeypatch):
+    """The candidate Triton dequantizer (TRITON_INTERPRET=1 on the CPU):
+    every value gguf-py's, exact in fp32, rounded once in fp16; 30 blocks
+    over programs of 4, so the last program is partial."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import gguf_triton_dequant as tdq
+
+    from support.gguf_moe_ref import random_blocks
+
+    raw, values = random_blocks(qtype, (3, 5, 512), torch.Generator().manual_seed(7))
+    out = tdq.dequantize(raw, int(gguf.GGMLQuantizationType[qtype]), dtype, blocks=4)
+    assert out.shape == values.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        assert torch.equal(out.double(), values)
+    else:
+        torch.testing.assert_close(out.double(), values.half().double(), rtol=0, atol=0)
+
+
+def test_triton_dequantizer_refuses_partial_blocks():
+    import gguf_triton_dequant as tdq
+
+    with pytest.raises(ValueError, match="Q4_K: rows of whole 144-byte blocks expected"):
+        tdq.dequantize(torch.zeros(2, 150, dtype=torch.uint8),
+                       int(gguf.GGMLQuantizationType.Q4_K), torch.float16)
+
+
+_AOT_SCRIPT = r"""
+import json
+import gguf_triton_dequant as tdq
+from support.aot import AotKernel, compile_for
+out = {}
+for qtype, (qk, size) in tdq.LAYOUT.items():
+    for ptr in ("*fp16", "*bf16"):
+        kernel = AotKernel(
+            name=f"{qtype.name}-{ptr[1:]}", fn=tdq._dequant_kernel,
+            signature={"src": "*u8", "dst": ptr, "n_blocks": "i32", "QTYPE": "constexpr",
+                       "QK": "constexpr", "BYTES": "constexpr", "BLOCKS": "constexpr"},
+            constexprs={"QTYPE": int(qtype), "QK": qk, "BYTES": size, "BLOCKS": 4096 // qk},
+            options={"num_warps": 4, "num_stages": 1})
+        for cap in ((12, 0), (9, 0)):
+            out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compile_for(kernel, cap).metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_triton_dequantizer_compiles_for_sm120_and_sm90(tmp_path):
+    """Every type and output dtype compiles for SM120 (and SM90) within
+    SM120's shared memory. A fresh process: the interpreter patches
+    triton.language in this one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from support.aot import SM120_MAX_SHARED_BYTES
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [os.path.join(repo, "tests"), os.path.join(repo, "bench")]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(shared) == 12
+    assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
