@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,7 @@ class _FakeServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, trace_dir: Path):
-        self.trace_dir, self.calls = trace_dir, []
+        self.trace_dir, self.calls, self.stall = trace_dir, [], None
         super().__init__(("127.0.0.1", 0), _Handler)
 
 
@@ -171,6 +172,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.end_headers()
         if self.path == "/v1/completions" and body.get("stream"):
+            if self.server.stall and len(body["prompt"]) == self.server.stall:
+                threading.Event().wait(2)  # a prefill that does not finish in time
+                return
             try:
                 for _ in range(body["max_tokens"]):
                     self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
@@ -203,6 +207,19 @@ def test_drive_decode_profiles_once_every_stream_decodes(fake_server, tmp_path):
     prompts = [b["prompt"] for p, b in server.calls if p == "/v1/completions"]
     assert all(len(p) == 64 and all(1000 <= t < 2000 for t in p) for p in prompts)
     assert len({tuple(p) for p in prompts}) == 3  # each stream its own prompt
+
+
+def test_drive_decode_gives_up_on_streams_that_do_not_start(fake_server, tmp_path):
+    """A server that never answers some streams costs start_timeout, not the
+    HTTP timeout per stream, and the profile never starts."""
+    server, base = fake_server
+    server.stall = 64
+    s = profile.Scenario("t", "decode", 3, 64, "")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"t: 0 of 3 streams produced a token within 0 s"):
+        profile.drive(base, "bench", s, 2000, tmp_path, seconds=0.2, start_timeout=0.3)
+    assert time.monotonic() - t0 < 1.5
+    assert "/start_profile" not in [p for p, _ in server.calls]
 
 
 def test_drive_prefill_profiles_around_one_request(fake_server, tmp_path):

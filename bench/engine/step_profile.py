@@ -218,6 +218,9 @@ SCENARIOS = {
 }
 QUICK_SCENARIOS = ["decode-1-32k", "decode-32-32k", "prefill-16k"]
 DECODE_TOKENS = 2048  # each decode stream's max_tokens: longer than the profile
+# seconds for every stream of a decode scenario to have its first token (32
+# prompts of 32k tokens prefill in about a minute on one H200)
+START_S = 600.0
 
 
 def profiler_config(trace_dir: Path) -> str:
@@ -263,9 +266,11 @@ def _stream(base: str, model: str, prompt: list[int], max_tokens: int, first: th
 
 
 def drive(base: str, model: str, s: Scenario, vocab: int, trace_dir: Path,
-          seconds: float = 1.0) -> Path:
+          seconds: float = 1.0, start_timeout: float = START_S) -> Path:
     """Run one scenario against a profiled server at ``base``; returns the
-    worker trace it wrote."""
+    worker trace it wrote. A decode scenario whose streams have not all
+    produced a token within ``start_timeout`` seconds (their prefills
+    together) fails naming how many had."""
     before = set(trace_dir.glob("*.pt.trace.json*")) if trace_dir.exists() else set()
     errors: list[str] = []
     if s.kind == "decode":
@@ -277,10 +282,16 @@ def drive(base: str, model: str, s: Scenario, vocab: int, trace_dir: Path,
                    for i in range(s.streams)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + start_timeout
         for f in firsts:
-            f.wait(1800)
+            f.wait(max(0.0, deadline - time.monotonic()))
         if errors:
             raise RuntimeError(f"{s.name}: {errors[0]}")
+        started = sum(f.is_set() for f in firsts)
+        if started < s.streams:
+            stop.set()
+            raise RuntimeError(f"{s.name}: {started} of {s.streams} streams produced a token "
+                               f"within {start_timeout:.0f} s")
         time.sleep(0.5)  # the last prefill's step done; decode alone from here
         _post(f"{base}/start_profile")
         time.sleep(seconds)
