@@ -104,6 +104,7 @@ class Target:
     max_model_len: int
     vocab: int
     first_token: int = 8  # token ids below are special in the test models
+    chat: bool = True  # the tokenizer has a chat template (else no chat requests)
 
 
 def _prompt(rng: random.Random, target: Target, length: int) -> list[int]:
@@ -123,8 +124,9 @@ def good_request(rng: random.Random, target: Target) -> tuple[str, str, dict, di
     prompt = _prompt(rng, target, _length(rng, target, max_tokens))
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 30)}
-    kind = rng.choice(["complete", "stream", "chat", "chat_stream", "n_best", "logprobs",
-                       "stop", "disconnect", "abort", "shared_prefix"])
+    kinds = ["complete", "stream", "chat", "chat_stream", "n_best", "logprobs", "stop",
+             "disconnect", "abort", "shared_prefix"]
+    kind = rng.choice(kinds if target.chat else [k for k in kinds if not k.startswith("chat")])
     if kind == "shared_prefix":
         # Prefix caching: one fixed prefix, a fresh tail.
         head = _prompt(random.Random(7), target, len(prompt) // 2 + 1)
@@ -149,6 +151,16 @@ def good_request(rng: random.Random, target: Target) -> tuple[str, str, dict, di
     if kind == "abort":
         opts["abort_after_s"] = rng.uniform(0.05, 1.0)
     return kind, path, body, opts
+
+
+def has_chat_template(hf: Path) -> bool:
+    """Whether the tokenizer folder carries a chat template (vLLM answers chat
+    requests without one with a 400: a file whose tokenizer has none, such
+    as the engine benchmark's, is soaked without chat requests)."""
+    if (hf / "chat_template.jinja").exists() or (hf / "chat_template.json").exists():
+        return True
+    config = hf / "tokenizer_config.json"
+    return config.exists() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
 def bad_requests(target: Target) -> list[tuple[str, str, bytes | dict, str]]:
@@ -434,7 +446,9 @@ def render(rows: list[dict]) -> str:
              (f"- {head.get('date')}; {head.get('card')}; vLLM {head.get('vllm')}; "
               f"{head.get('gguf')}; {head.get('minutes')} min; concurrency up to "
               f"{head.get('max_concurrency')}"),
-             f"- command: `{head.get('command')}`", "",
+             f"- command: `{head.get('command')}`",
+             *(["- no chat requests: the tokenizer has no chat template"]
+               if head.get("chat") is False else []), "",
              "| minute | requests | output tok/s | 4xx | failed |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -560,7 +574,10 @@ def main() -> int:
     config = json.loads((args.hf / "config.json").read_text())
     port = _free_port()
     target = Target(f"http://127.0.0.1:{port}", "soak", args.max_model_len,
-                    config["vocab_size"])
+                    config["vocab_size"], chat=has_chat_template(args.hf))
+    if not target.chat:
+        print(f"==> {args.hf}: the tokenizer has no chat template; no chat requests",
+              flush=True)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(args.gguf),
            "--hf-config-path", str(args.hf), "--tokenizer", str(args.hf),
            "--served-model-name", target.model, "--dtype", "float16",
@@ -608,7 +625,7 @@ def main() -> int:
     smi = _gpu_name()
     head = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "card": smi,
             "vllm": vllm.__version__, "gguf": args.gguf.name, "minutes": args.minutes,
-            "max_concurrency": args.max_concurrency, "command": " ".join(
+            "max_concurrency": args.max_concurrency, "chat": target.chat, "command": " ".join(
                 ["scripts/soak.py", *map(_portable, sys.argv[1:])]),
             "summary": summary, "failures": failures, "passed": not failures}
     rows = [*per_minute(run, t0), head]

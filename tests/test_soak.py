@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import socket
 import subprocess
 import threading
@@ -243,3 +244,25 @@ def test_gpu_memory_is_the_servers_processes_where_the_driver_lists_them(monkeyp
 def test_the_record_names_files_not_the_machines_folders():
     assert soak._portable("/some/where/e2e/glm5/glm5-q4_k_m.gguf") == "glm5/glm5-q4_k_m.gguf"
     assert soak._portable("--minutes") == "--minutes"
+
+
+def test_a_tokenizer_without_a_chat_template_gets_no_chat_requests(tmp_path):
+    """vLLM answers chat without a template with a 400 that would count as a
+    failed good request: such a tokenizer (the engine benchmark's) is soaked
+    without chat requests, and the record says so."""
+    assert not soak.has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8}))
+    assert not soak.has_chat_template(tmp_path)
+    plain = soak.Target("", "m", MAX_LEN, VOCAB, chat=False)
+    rng = random.Random(0)
+    kinds = {soak.good_request(rng, plain)[0] for _ in range(400)}
+    assert kinds and not {k for k in kinds if k.startswith("chat")}
+    assert {soak.good_request(rng, soak.Target("", "m", MAX_LEN, VOCAB))[0]
+            for _ in range(400)} >= {"chat", "chat_stream"}
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert soak.has_chat_template(tmp_path)
+    head = {"date": "d", "card": "c", "vllm": "v", "gguf": "g", "minutes": 1,
+            "max_concurrency": 2, "command": "x", "chat": False, "summary": {},
+            "failures": [], "passed": True}
+    assert "no chat requests: the tokenizer has no chat template" in soak.render([head])
