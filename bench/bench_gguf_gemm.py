@@ -31,7 +31,7 @@ are dominated by launch overhead here and are timed for the shape of the
 curve only). Writes bench/results/<card>/gguf_gemm.jsonl (or under
 --results).
 
-    python bench/bench_gguf_gemm.py [--quick] [--results DIR]
+    PYTHONPATH=tests python bench/bench_gguf_gemm.py [--quick] [--results DIR]
 """
 
 from __future__ import annotations
@@ -50,14 +50,8 @@ import triton.testing
 from gguf import GGMLQuantizationType as T
 
 from benchdata import BenchData, environment, results_dir
+from support.gguf_moe_ref import F16_FIELDS
 
-# byte offsets of the fp16 block scales in each type's block (ggml-common.h)
-SCALE_OFFSETS = {
-    T.Q8_0: (0,), T.Q5_0: (0,), T.Q4_0: (0,),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
-    T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.IQ1_S: (0,),
-}
 # (gate/up type, down type) as users' files pair them: Q4_K_M's experts
 # take Q6_K for some layers' down projections (use_more_bits); the dynamic
 # mixtures keep down one step above gate/up
@@ -103,7 +97,7 @@ def random_blocks(qtype: T, rows: int, cols: int, gen: torch.Generator,
     raw = torch.randint(0, 256, (n * rows * nb, size), dtype=torch.uint8, device=device,
                         generator=gen)
     scale = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).to(device)
-    for off in SCALE_OFFSETS[qtype]:
+    for off in F16_FIELDS[qtype.name]:
         raw[:, off:off + 2] = scale
     return raw.view(*lead, rows, nb * size)
 

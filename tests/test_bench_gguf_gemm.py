@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from support.gguf_moe_ref import F16_FIELDS
+
 TYPES = sorted({t for _, a, b in bench.EXPERT_TYPES for t in (a, b) if t is not None}
                | set(bench.DENSE_TYPES), key=lambda t: t.name)
 
@@ -25,7 +27,7 @@ def test_random_blocks_have_finite_scaled_weights(qtype):
     assert np.isfinite(w).all() and np.abs(w).max() > 0
     # every fp16 block scale is one the bench set: doubling them doubles the weights
     raw = q.numpy().reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
-    for off in bench.SCALE_OFFSETS[qtype]:
+    for off in F16_FIELDS[qtype.name]:
         assert (raw[:, off:off + 2].view(np.float16) == np.float16(0.001)).all()
         raw[:, off:off + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
     w2 = gguf.quants.dequantize(raw.reshape(-1), qtype)
