@@ -352,7 +352,8 @@ def test_vllm_command_lines():
     up = wl.PATHS["flashmla-bf16"]
     assert wl.vllm_serve(up, GG, HF, 8123, 17408, "py") == [
         *head, "--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16", *common_tail]
-    assert up.env == {}
+    # upstream's path as vLLM 0.23 runs it, GGUF kernels included
+    assert up.env == {"VLLM_GGUF_KERNELS": "upstream"}
     auto = wl.PATHS["auto-sm120"]
     assert wl.vllm_serve(auto, GG, HF, 8123, 17408, "py") == [*head, "--dtype", "float16",
                                                              *common_tail]

@@ -85,8 +85,11 @@ PATHS = {
                  "(VLLM_GGUF_KERNELS=upstream: ggml's kernels at every batch size)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "upstream"}),
-        VllmPath("flashmla-bf16", "upstream: FLASHMLA_SPARSE + DeepGEMM indexer, bf16",
-                 ("--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16")),
+        # upstream as vLLM 0.23 runs it: its attention, indexer and GGUF kernels
+        VllmPath("flashmla-bf16", "upstream: FLASHMLA_SPARSE + DeepGEMM indexer, bf16, "
+                 "vLLM 0.23's GGUF kernels",
+                 ("--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16"),
+                 {"VLLM_GGUF_KERNELS": "upstream"}),
     ]
 }
 LLAMA_CPP = "llama.cpp"
