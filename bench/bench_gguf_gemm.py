@@ -21,7 +21,10 @@ prefill):
   the engine's choice.
 
 Both also time the candidate Triton dequantizer of gguf_triton_dequant.py
-(Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's.
+(Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's;
+``moe`` also the candidate fused MoE of gguf_fused_moe.py, which reads the
+blocks of those types itself (the fastest of a few tile configurations,
+named, and its output's distance from the fp16 path's on the same values).
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
@@ -38,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
 import time
 
 import gguf
+import gguf_fused_moe as fmoe
 import gguf_triton_dequant as tdq
 import torch
 import triton.testing
@@ -187,6 +192,32 @@ def _triton_dequant_layer(q13, t13, q2, t2):
             tdq.dequantize(q2, t2, torch.float16))
 
 
+# the candidate fused MoE's tiles: (BLOCK_M, BLOCK_N, warps, stages)
+FUSED_CONFIGS = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2),
+                 (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)]
+
+
+def _fused(x, q13, t13, q2, t2, wts, ids, reference) -> dict:
+    """The candidate fused MoE at its fastest configuration: ms, the
+    configuration, and its distance from ``reference`` (the fp16 path)."""
+    n, top_k = ids.shape
+    best = None
+    try:
+        for bm, bn, warps, stages in FUSED_CONFIGS:
+            if bm > 16 * max(1, n * top_k // q13.shape[0]):
+                continue  # blocks mostly padding
+            fn = functools.partial(fmoe.fused_moe, x, q13, int(t13), q2, int(t2), wts, ids,
+                                   block_m=bm, block_n=bn, num_warps=warps,
+                                   num_stages=stages)
+            t = ms(fn)
+            if best is None or t < best[0]:
+                best = (t, f"m{bm} n{bn} w{warps}", fn)
+    except Exception as e:  # a candidate's failure is a finding, not the run's end
+        return {"fused_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"fused_ms": best[0], "fused_config": best[1],
+            "fused_max_diff": _max_diff(best[2](), reference)}
+
+
 def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
               shapes: list[str]) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
@@ -223,6 +254,12 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 f16_ms = ms(fused_experts, x, w13, w2, wts, ids)
                 gguf_ms = kernel = engine_ms = mmq_ms = vec_ms = None
                 notes = []
+                fused = {}
+                if q13 is not None and fmoe.supported(t13) and fmoe.supported(t2):
+                    fused = _fused(x, q13, t13, q2, t2, wts, ids,
+                                   fused_experts(x, w13, w2, wts, ids))
+                    if "fused_error" in fused:
+                        notes.append(f"fused candidate: {fused.pop('fused_error')}")
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                     kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice
@@ -246,13 +283,14 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                          kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms, engine_ms=engine_ms,
                          mmq_ms=mmq_ms, vec_ms=vec_ms, notes=notes,
                          triton_dequant_ms=tdq_ms, triton_dequant_max_diff=tdq_exact,
-                         dequant_all_ms=dq_ms,
+                         dequant_all_ms=dq_ms, **fused,
                          gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
                          f16_tflops=flop / f16_ms / 1e9)
                 print(f"moe {shape} {name:8s} {n:6d} tok: gguf {gguf_ms or 0:8.3f} ms ({kernel}) "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms "
                       f"engine {engine_ms or 0:8.3f} ms mmq {mmq_ms or 0:8.3f} ms "
-                      f"vec {vec_ms or 0:8.3f} ms", flush=True)
+                      f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms",
+                      flush=True)
             w13 = w2 = q13 = q2 = None
             torch.cuda.empty_cache()
 

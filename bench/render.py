@@ -381,6 +381,13 @@ def _triton_dequant(m: dict) -> str:
     return f"{m['triton_dequant_ms']:.4g} (diff {m['triton_dequant_max_diff']:.1e})"
 
 
+def _fused(m: dict) -> str:
+    """The candidate fused MoE's time, tile and distance from the fp16 path."""
+    if m.get("fused_ms") is None:
+        return ""
+    return f"{m['fused_ms']:.4g} ({m['fused_config']}, diff {m['fused_max_diff']:.1e})"
+
+
 def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
     out = ["# GGUF matrix kernels against fp16 weights through the float kernels", "",
            *header(run), "",
@@ -394,7 +401,9 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "GGUF / engine: its speed-up over ggml's kernels. MMQ, vector: ggml's two MoE "
             "kernels forced at any batch size. Dequantize (Triton): the candidate dequantizer of "
             "bench/gguf_triton_dequant.py, with its largest difference from ggml_dequantize's "
-            "values relative to the largest value. Median ms.")]
+            "values relative to the largest value. Fused (Triton): the candidate MoE of "
+            "bench/gguf_fused_moe.py, which reads the GGUF blocks in its GEMMs, at its fastest "
+            "tile, with its largest difference from the fp16 path's output. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)
@@ -404,8 +413,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         out += table(
             ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine",
-             "MMQ", "vector", "dequantize (Triton)", "notes"],
-            "lrlrrrrrrrrrrrl",
+             "MMQ", "vector", "dequantize (Triton)", "fused (Triton)", "notes"],
+            "lrlrrrrrrrrrrrrl",
             [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_fused_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
@@ -416,7 +425,7 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") and m.get("gguf_ms")
                   else None, ".2f"),
               fmt(m.get("mmq_ms"), ".4g"), fmt(m.get("vec_ms"), ".4g"),
-              _triton_dequant(m), "; ".join(m.get("notes") or [])]
+              _triton_dequant(m), _fused(m), "; ".join(m.get("notes") or [])]
              for i, m in moe if i["shape"] == shape],
         )  # fmt: skip
     dense = rows_of(rows, "dense")

@@ -1,0 +1,152 @@
+"""bench/gguf_fused_moe.py on CPU (TRITON_INTERPRET=1, fp16): the candidate
+fused MoE that reads GGUF blocks against the fp64 reference of the layer
+from gguf-py's values, every row written (intermediates poisoned with NaN),
+experts without tokens, a partial last row block, duplicate experts in a
+token's top-k; bad input refused by name; the kernel compiles for SM120
+and SM90 within SM120's shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+import torch
+
+from support.gguf_moe_ref import moe_reference, random_blocks
+
+Q = gguf.GGMLQuantizationType
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fmoe(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import gguf_fused_moe
+
+    def poisoned(*args, **kwargs):
+        return torch.full(*args, float("nan"), **kwargs)
+
+    monkeypatch.setattr(gguf_fused_moe, "_empty", poisoned)
+    return gguf_fused_moe
+
+
+def layer(w13_type, w2_type, experts, hidden, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw_gate, gate = random_blocks(w13_type, (experts, inter, hidden), g)
+    raw_up, up = random_blocks(w13_type, (experts, inter, hidden), g)
+    raw_down, down = random_blocks(w2_type, (experts, hidden, inter), g)
+    return torch.cat([raw_gate, raw_up], 1), raw_down, (gate, up, down)
+
+
+@pytest.mark.parametrize("w13_type,w2_type", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"),
+                                               ("Q6_K", "Q4_K")])
+@pytest.mark.parametrize("tokens,top_k,block_m", [(1, 1, 16), (7, 3, 16), (21, 2, 32)])
+def test_fused_moe_matches_fp64(fmoe, w13_type, w2_type, tokens, top_k, block_m):
+    experts, hidden, inter = 5, 512, 256
+    w13, w2, values = layer(w13_type, w2_type, experts, hidden, inter, tokens)
+    g = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, hidden, generator=g).half()
+    topk_ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k].to(torch.int32)
+    topk_weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    out = fmoe.fused_moe(x, w13, int(Q[w13_type]), w2, int(Q[w2_type]), topk_weights,
+                         topk_ids, block_m=block_m, block_n=32)
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    assert out.shape == ref.shape and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 4e-3 * ref.abs().max().item(), err
+
+
+def test_duplicate_experts_and_idle_experts(fmoe):
+    """A token whose top-k names one expert twice gets it twice; experts
+    no token chose are skipped, the rest still computed."""
+    experts, hidden, inter = 6, 256, 256
+    w13, w2, values = layer("Q4_K", "Q6_K", experts, hidden, inter, 3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, hidden, generator=g).half()
+    topk_ids = torch.tensor([[4, 4], [1, 4], [1, 1]], dtype=torch.int32)
+    topk_weights = torch.rand(3, 2, generator=g) + 0.1
+    out = fmoe.fused_moe(x, w13, int(Q.Q4_K), w2, int(Q.Q6_K), topk_weights, topk_ids,
+                         block_m=16, block_n=32)
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item()
+
+
+def test_align_pads_each_expert_and_keeps_every_row():
+    import gguf_fused_moe as fmoe
+
+    ids = torch.tensor([[2, 0], [2, 2], [0, 3]])
+    sorted_ids, expert_ids, total = fmoe.align(ids, 4, 5)
+    assert total == 12 and expert_ids.tolist() == [0, 2, 3]
+    assert sorted_ids.tolist() == [1, 4, 6, 6, 0, 2, 3, 6, 5, 6, 6, 6]
+
+
+@pytest.mark.parametrize("ids,match", [([[0, 5]], r"topk_ids must lie in \[0, 5\)"),
+                                       ([[-1, 0]], r"topk_ids must lie in \[0, 5\)")])
+def test_align_refuses_experts_out_of_range(ids, match):
+    import gguf_fused_moe as fmoe
+
+    with pytest.raises(ValueError, match=match):
+        fmoe.align(torch.tensor(ids), 16, 5)
+
+
+def test_bad_weights_are_refused_by_name():
+    import gguf_fused_moe as fmoe
+
+    x = torch.zeros(2, 256, dtype=torch.float16)
+    ids, wts = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+    w13 = torch.zeros(3, 512, 144, dtype=torch.uint8)
+    w2 = torch.zeros(3, 256, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="w13: GGUF type IQ4_XS has no fused kernel"):
+        fmoe.fused_moe(x, w13, int(Q.IQ4_XS), w2, int(Q.Q4_K), wts, ids)
+    with pytest.raises(ValueError, match=r"w2: \[experts, 256, 210\] uint8 blocks of Q6_K"):
+        fmoe.fused_moe(x, w13, int(Q.Q4_K), w2, int(Q.Q6_K), wts, ids)
+    with pytest.raises(ValueError, match="w13: rows of 320 values, a multiple of 256"):
+        fmoe.fused_moe(torch.zeros(2, 320, dtype=torch.float16), w13, int(Q.Q4_K), w2,
+                       int(Q.Q4_K), wts, ids)
+
+
+_AOT_SCRIPT = r"""
+import json
+import gguf_fused_moe as fmoe
+from support.aot import AotKernel, compile_for
+out = {}
+sig = {"a_ptr": "*fp16", "b_ptr": "*u8", "c_ptr": "*fp16", "weights_ptr": "*fp32",
+       "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded": "i32",
+       "num_rows": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_be": "i64",
+       "stride_bn": "i32", "stride_cm": "i32"}
+for qtype, (qk, size) in fmoe.LAYOUT.items():
+    for block_m in (16, 64):
+        consts = {"A_ROWS_PER_TOKEN": 8, "MUL_WEIGHT": True, "QTYPE": int(qtype),
+                  "SUPER_BYTES": 256 // qk * size, "BLOCK_M": block_m, "BLOCK_N": 64,
+                  "GROUP_M": 8}
+        kernel = AotKernel(
+            name=f"{qtype.name}-m{block_m}", fn=fmoe._gguf_moe_gemm_kernel,
+            signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
+            options={"num_warps": 4, "num_stages": 2})
+        for cap in ((12, 0), (9, 0)):
+            out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compile_for(kernel, cap).metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_fused_moe_compiles_for_sm120_and_sm90(tmp_path):
+    """Every type compiles for SM120 (and SM90) within SM120's shared
+    memory. A fresh process: the interpreter patches triton.language in
+    this one."""
+    from support.aot import SM120_MAX_SHARED_BYTES
+
+    path = [os.path.join(REPO, "tests"), os.path.join(REPO, "bench")]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(shared) == 12
+    assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
