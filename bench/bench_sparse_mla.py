@@ -3,12 +3,17 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Sparse MLA on one CUDA GPU: the Triton kernel (its own configs and the
 SM120 ones) side by side with FlashMLA sparse prefill, plus accuracy against
-the fp64 reference (tests/support).
+the fp64 reference (tests/support), and beside them upstream vLLM's own
+Triton sparse MLA where a vLLM source tree holding it is given.
 
 Writes bench/results/<card>/sparse_mla.jsonl (or under --results); render
 the tables and the plot with bench/render.py. FlashMLA (SM90/SM100) comes
 from --flashmla-so (the pinned wheel's ``vllm/_flashmla_C.abi3.so``),
-$FLASHMLA_SO or the installed wheel.
+$FLASHMLA_SO or the installed wheel. Upstream's Triton kernel
+(``TRITON_MLA_SPARSE`` of vLLM's main branch, not in a release) comes from
+--vllm-triton-src (a checkout of vLLM main, or its
+``vllm/v1/attention/ops/triton_sparse_mla_kernel.py``) or
+$VLLM_TRITON_SPARSE_MLA; bf16 only, as it is.
 
     PYTHONPATH=tests python bench/bench_sparse_mla.py [--flashmla-so PATH] [--sweep]
     PYTHONPATH=tests python bench/bench_sparse_mla.py --dtypes bf16 --heads 8 --sq 1 64
@@ -39,7 +44,7 @@ from benchdata import BenchData, environment, results_dir
 from harness import POOL, SCALE, ceilings, input_sets, n_rotate, timed
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK, work
-from support.peers import load_flashmla_sparse
+from support.peers import load_flashmla_sparse, load_vllm_triton_sparse_mla
 from support.sparse_mla_ref import ref_sparse_mla
 
 H_LIST = [8, 16, 32, 64, 128]
@@ -83,7 +88,7 @@ def metrics(s_q, h_q, elt, ms, copy_bw, mm_rate):
     return flops / t / 1e12, nbytes / t / 1e12, roof / t
 
 
-def run_bench(data, args, op, copy_bw, mm_rate, picks):
+def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     cap = torch.cuda.get_device_capability()
     pools = {
@@ -121,6 +126,8 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks):
                     res["flashmla"] = timed(
                         lambda q, i: op(q, kv, i, SCALE, D_V), psets
                     )
+                if vt is not None and dtype == torch.bfloat16:
+                    res["vllm-triton"] = timed(lambda q, i: vt(q, kv, i, SCALE), sets)
                 for name, ms in res.items():
                     tf, tb, roof = metrics(s_q, h_q, elt, ms, copy_bw, mm_rate)
                     ratio = (
@@ -136,6 +143,11 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks):
                         gathered_tbps=tb,
                         x_roofline=roof,
                         x_flashmla=ratio,
+                        x_vllm_triton=(
+                            res["vllm-triton"] / ms
+                            if "vllm-triton" in res and name != "vllm-triton"
+                            else None
+                        ),
                     )
                     print(
                         f"{dname} h{h_q:>3} s_q{s_q:>5} {name:<18} {ms * 1e3:9.1f} us "
@@ -268,7 +280,7 @@ def check_picks(data, picks):
                 print("pick", major, bkt, tuple(cfg), dname, h_q, f"{err:.2e}", ok, flush=True)
 
 
-def run_accuracy(data, op, dtypes, heads):
+def run_accuracy(data, op, dtypes, heads, vt=None):
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dname in dtypes:
         dtype = DTYPES[dname]
@@ -290,6 +302,10 @@ def run_accuracy(data, op, dtypes, heads):
                     if op is not None and dtype == torch.bfloat16 and h_q >= 64 and ns is None:
                         fo = op(q, kv, idx, SCALE, D_V)[0]
                         ferr = ((fo.double() - r_out).norm() / rnorm).item()
+                    verr = None
+                    if vt is not None and dtype == torch.bfloat16 and ns is None:
+                        vo = vt(q, kv, idx, SCALE)
+                        verr = ((vo.double() - r_out).norm() / rnorm).item()
                     path = "auto" if ns is None else "one-pass"
                     data.row(
                         "accuracy",
@@ -297,6 +313,7 @@ def run_accuracy(data, op, dtypes, heads):
                         rel_err=err,
                         lse_max_abs_err=lerr,
                         flashmla_rel_err=ferr,
+                        vllm_triton_rel_err=verr,
                     )
                     print(dname, h_q, s_q, path, f"{err:.2e} {lerr:.1e}", ferr, flush=True)
 
@@ -327,6 +344,9 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--flashmla-so", default=None,
                     help="FlashMLA library (else $FLASHMLA_SO or the wheel)")
+    ap.add_argument("--vllm-triton-src", default=None,
+                    help="vLLM main checkout (or its triton_sparse_mla_kernel.py) for "
+                         "upstream's Triton sparse MLA (else $VLLM_TRITON_SPARSE_MLA)")
     ap.add_argument("--results", default=None,
                     help="results root (default bench/results); data go to "
                          "<root>/<card>/sparse_mla.jsonl")
@@ -371,10 +391,15 @@ def main():
         op, why = load_flashmla_sparse(args.flashmla_so)
         print("FlashMLA:", "loaded" if op else why, flush=True)
         data.figures["flashmla"] = "loaded" if op else why
+    vt = None
+    if not args.warm_only:
+        vt, why = load_vllm_triton_sparse_mla(args.vllm_triton_src)
+        print("vLLM's Triton sparse MLA:", "loaded" if vt else why, flush=True)
+        data.figures["vllm_triton"] = f"loaded, sha256 {vt.sha256}" if vt else why
     if op is not None:
         data.figures["empty_row_probe"] = probe_empty_row(op)
     if not (args.no_accuracy or args.warm_only):
-        run_accuracy(data, op, args.dtypes, args.heads)
+        run_accuracy(data, op, args.dtypes, args.heads, vt)
 
     copy_bw, mm_rate = (1.0, 1.0) if args.warm_only else ceilings()
     data.figures.update(copy_tbps=copy_bw / 1e12, matmul_tflops=mm_rate / 1e12)
@@ -397,7 +422,7 @@ def main():
         data.figures["prefill_picks"] = {f"{m},{b}": list(c) for (m, b), c in sorted(picks.items())}
         print("prefill picks:", picks, flush=True)
     if not args.no_bench:
-        run_bench(data, args, op, copy_bw, mm_rate, {} if args.warm_only else picks)
+        run_bench(data, args, op, copy_bw, mm_rate, {} if args.warm_only else picks, vt)
     if args.warm_only:
         return
     path = data.write(results_dir(env["card"], args.results))

@@ -91,7 +91,10 @@ SPARSE_MLA_ABOUT = (
     "only, rows where it differs): the Triton kernel with the configs SM100 uses, i.e. without the "
     "Hopper Gluon kernels; `flashmla`: "
     "_flashmla_C.sparse_prefill_fwd from the pinned wheel, bf16 only, h_q padded to 64 "
-    "(as vLLM pads). × FlashMLA speed = FlashMLA time / this time. Times per call from CUDA-graph "
+    "(as vLLM pads); `vllm-triton`: upstream vLLM's own Triton sparse MLA (TRITON_MLA_SPARSE "
+    "of vLLM's main branch, split-KV decode, its own split heuristic; bf16 only), from the "
+    "source tree the run names. × FlashMLA speed = FlashMLA time / this time, × vLLM Triton "
+    "speed likewise. Times per call from CUDA-graph "
     "replays over rotated inputs (no host launch overhead; see bench/harness.py)."
 )
 
@@ -108,12 +111,13 @@ def sparse_mla_md(run: dict, rows: list[dict]) -> str:
     out += [SPARSE_MLA_ABOUT, ""]
     out += table(
         ["dtype", "h_q", "s_q", "kernel", "µs", "TFLOP/s", "gathered TB/s",
-         "× roofline", "× FlashMLA speed"],
-        "lrrlrrrrr",
+         "× roofline", "× FlashMLA speed", "× vLLM Triton speed"],
+        "lrrlrrrrrr",
         [
             [i["dtype"], str(i["h_q"]), str(i["s_q"]), i["kernel"], fmt(m["us"], ".1f"),
              fmt(m["tflops"], ".1f"), fmt(m["gathered_tbps"], ".2f"),
-             fmt(m["x_roofline"], ".2f"), fmt(m["x_flashmla"], ".2f")]
+             fmt(m["x_roofline"], ".2f"), fmt(m["x_flashmla"], ".2f"),
+             fmt(m.get("x_vllm_triton"), ".2f")]
             for i, m in rows_of(rows, "timings")
         ],
     )  # fmt: skip
@@ -152,10 +156,11 @@ def sparse_mla_accuracy_md(run: dict, rows: list[dict]) -> str:
     ]
     out += table(
         ["dtype", "h_q", "s_q", "path", "triton rel err", "triton max abs lse err",
-         "FlashMLA rel err"],
-        "lrrlrrr",
+         "FlashMLA rel err", "vLLM Triton rel err"],
+        "lrrlrrrr",
         [[i["dtype"], str(i["h_q"]), str(i["s_q"]), i["path"], fmt(m["rel_err"], ".2e"),
-          fmt(m["lse_max_abs_err"], ".1e"), fmt(m["flashmla_rel_err"], ".2e")]
+          fmt(m["lse_max_abs_err"], ".1e"), fmt(m["flashmla_rel_err"], ".2e"),
+          fmt(m.get("vllm_triton_rel_err"), ".2e")]
          for i, m in rows_of(rows, "accuracy")],
     )  # fmt: skip
     if "empty_row_probe" in run["figures"]:

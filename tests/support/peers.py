@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The peer kernels the series is compared with, as the pinned wheel ships
-them: FlashMLA sparse prefill and DeepGEMM's MQA logits. Both run on
-SM90/SM100 only. Each loader returns ``(peer, None)`` or ``(None, why)``,
-so a test can skip and a benchmark go on with the reason."""
+"""The peer kernels the series is compared with: FlashMLA sparse prefill
+and DeepGEMM's MQA logits as the pinned wheel ships them (SM90/SM100
+only), and upstream vLLM's own pure-Triton sparse MLA from a vLLM source
+tree (``TRITON_MLA_SPARSE`` on vLLM's main branch, in no release yet). Each
+loader returns ``(peer, None)`` or ``(None, why)``, so a test can skip and a
+benchmark go on with the reason."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -99,3 +102,77 @@ def _import_package(name: str, folder: str):
         del sys.modules[name]
         raise
     return module
+
+
+# upstream's Triton sparse MLA kernel in a vLLM source tree
+VLLM_TRITON_SPARSE_MLA = "vllm/v1/attention/ops/triton_sparse_mla_kernel.py"
+# Its imports from vLLM that the installed vLLM 0.23 lacks, and what stands
+# in for each (the same values and meaning).
+_VLLM_TRITON_SHIMS = {
+    "from vllm.triton_utils import LOG2E, LOGE2, tl, triton": (
+        "import math\nimport triton\nimport triton.language as tl\n"
+        "LOG2E = math.log2(math.e)\nLOGE2 = math.log(2.0)"),
+    "from vllm.utils.platform_utils import num_compute_units": (
+        "def num_compute_units(index=None):\n"
+        "    index = torch.cuda.current_device() if index is None else index\n"
+        "    return torch.cuda.get_device_properties(index).multi_processor_count"),
+}
+
+
+def import_with_shims(path: str, name: str, shims: dict[str, str]):
+    """The module at ``path`` imported as ``name``, each import line of
+    ``shims`` replaced by its stand-in (written next to a copy in a
+    temporary folder: Triton reads a kernel's source from its file). A
+    missing line is an error naming it: another version of the file."""
+    with open(path) as f:
+        text = f.read()
+    missing = [line for line in shims if line not in text.splitlines()]
+    if missing:
+        raise ImportError(f"{path}: expected import line(s) not found (another version?): "
+                          + "; ".join(missing))
+    for line, stand_in in shims.items():
+        text = text.replace(line, stand_in)
+    folder = tempfile.mkdtemp(prefix="peer-")
+    copy = os.path.join(folder, os.path.basename(path))
+    with open(copy, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_vllm_triton_sparse_mla(src: str | None = None) -> tuple[Callable | None, str | None]:
+    """Upstream vLLM's Triton sparse MLA (split-KV decode, PR 47629's line):
+    ``op(q, kv, indices, sm_scale)`` with q ``[T, H, 576]`` and kv
+    ``[S, 1, 576]`` bf16, indices ``[T, 1, topk]`` int32, returns out
+    ``[T, H, 512]`` bf16, splits chosen by its own heuristic. ``src``: the
+    kernel file or a vLLM checkout holding it, else
+    ``$VLLM_TRITON_SPARSE_MLA``."""
+    if not torch.cuda.is_available():
+        return None, "vLLM's Triton sparse MLA needs a CUDA GPU"
+    src = src or os.environ.get("VLLM_TRITON_SPARSE_MLA")
+    if not src:
+        return None, ("vLLM's Triton sparse MLA: no source given (a vLLM checkout of main, "
+                      "or its file " + VLLM_TRITON_SPARSE_MLA + ", in VLLM_TRITON_SPARSE_MLA)")
+    path = os.path.join(src, VLLM_TRITON_SPARSE_MLA) if os.path.isdir(src) else src
+    if not os.path.isfile(path):
+        return None, f"vLLM's Triton sparse MLA: {path} not found"
+    try:
+        module = import_with_shims(path, "vllm_main_triton_sparse_mla", _VLLM_TRITON_SHIMS)
+        fn = module.triton_sparse_mla_attention
+    except (ImportError, AttributeError, SyntaxError) as e:
+        return None, f"vLLM's Triton sparse MLA not loadable from {path}: {e}"
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def op(q, kv, indices, sm_scale):
+        return fn(q, kv, indices, sm_scale=sm_scale, sm_count=sm_count)
+
+    with open(path, "rb") as f:
+        op.sha256 = hashlib.sha256(f.read()).hexdigest()  # which version ran
+    return op, None
