@@ -8,6 +8,10 @@ Needs torch, triton and the kernel module
 ``vllm.v1.attention.ops.triton_dsa_indexer`` (the patched wheel). DeepGEMM
 (SM90/SM100 only) is the ``deep_gemm`` package in the folder given with
 --deep-gemm (e.g. the wheel's ``vllm/third_party``), else on the path.
+Upstream vLLM's own Triton MQA logits (vLLM's main branch, not in a
+release) is timed beside them where --vllm-triton-src or $VLLM_MAIN_SRC
+names a vLLM main checkout, a folder holding its ``mqa_logits_triton.py``,
+or that file.
 Writes every check, timing and sweep point to
 bench/results/<card>/dsa_indexer.jsonl (or under --results); render the
 tables with bench/render.py.
@@ -41,6 +45,7 @@ from vllm.v1.attention.ops import triton_dsa_indexer as tdi  # noqa: E402
 from benchdata import BenchData, environment, results_dir  # noqa: E402
 from support.indexer_ref import ref_logits  # noqa: E402
 from support.peers import load_deep_gemm as load_peer_deep_gemm  # noqa: E402
+from support.peers import load_vllm_triton_mqa_logits  # noqa: E402
 
 H, D, TOPK, BLOCK = 32, 128, 2048, 64
 FP8 = torch.float8_e4m3fn
@@ -193,6 +198,7 @@ def topk_sets_equal(la, lb, starts, ends, k, ref=None):
 # ---------------------------------------------------------------------------
 
 DG = None
+VT = None  # upstream vLLM's Triton MQA logits, where a source is given
 
 
 def load_deep_gemm():
@@ -207,6 +213,25 @@ def load_deep_gemm():
     version = getattr(DG, "__version__", "?")
     DATA.figures["deep_gemm"] = f"{version} from {DG.__file__}"
     log("DeepGEMM", version, "from", DG.__file__)
+
+
+def load_vllm_triton():
+    """Upstream vLLM's Triton MQA logits (vLLM main), where a source is given."""
+    global VT
+    if SMOKE:
+        return
+    VT, why = load_vllm_triton_mqa_logits(ARGS.vllm_triton_src)
+    DATA.figures["vllm_triton"] = f"loaded, sha256 {VT.sha256}" if VT else why
+    log("vLLM's Triton MQA logits:", "loaded" if VT else why)
+
+
+def peer_agreement(row, ours, theirs, valid, starts, ends):
+    """How far upstream's Triton logits are from ours inside the windows
+    (relative), and in how many rows with more keys than top-k the top-k
+    sets differ beyond ties."""
+    row["vllm_triton_rel_diff"] = rel(theirs[valid], ours[valid])
+    row["vllm_triton_topk_rows_differing"] = topk_sets_equal(
+        ours, theirs.float(), starts, ends, TOPK)[1]
 
 
 def dg_mqa(q, k8, k_scale, w, ks, ke, clean):
@@ -413,6 +438,13 @@ def prefill_timings(dev):
         if DG is not None:
             row["deepgemm_ms"] = bench(functools.partial(dg_mqa, q, k8, ks_, w, ks, ke, False))
             row["ratio_dg_over_triton"] = row["deepgemm_ms"] / row["triton_ms"]
+        if VT is not None:
+            row["vllm_triton_ms"] = bench(functools.partial(VT.prefill, q, k8, ks_, w, ks, ke))
+            row["ratio_vllm_triton_over_triton"] = row["vllm_triton_ms"] / row["triton_ms"]
+            col = torch.arange(s, device=dev)
+            peer_agreement(row, tdi.fp8_mqa_logits(q, (k8, ks_), w, ks, ke, clean_logits=True),
+                           VT.prefill(q, k8, ks_, w, ks, ke),
+                           (col[None] >= ks[:, None]) & (col[None] < ke[:, None]), ks, ke)
         row["triton_tflops"] = flops / row["triton_ms"] / 1e9
         add("timings", row, ("kind", "T", "S", "reqs", "B", "next_n", "max_len"))
         log(json.dumps(row))
@@ -436,6 +468,16 @@ def decode_timings(dev):
             row["deepgemm_ms"] = bench(
                 functools.partial(dg_paged, q, cache, w, ctx2d, bt, max_len, False, sched))
             row["ratio_dg_over_triton"] = row["deepgemm_ms"] / row["triton_ms"]
+        if VT is not None:
+            row["vllm_triton_ms"] = bench(
+                functools.partial(VT.paged, q, cache, w, ctx, bt, max_len))
+            row["ratio_vllm_triton_over_triton"] = row["vllm_triton_ms"] / row["triton_ms"]
+            lens = ctx2d.reshape(-1).long()
+            peer_agreement(row, tdi.fp8_paged_mqa_logits(q, cache, w, ctx2d, bt, None, max_len,
+                                                         clean_logits=True),
+                           VT.paged(q, cache, w, ctx, bt, max_len),
+                           torch.arange(max_len, device=dev)[None] < lens[:, None],
+                           torch.zeros_like(lens), lens)
         row["triton_kv_TBps"] = nbytes / row["triton_ms"] / 1e9
         # GPU time alone (host launch overhead excluded) via graph replay.
         if dev == "cuda":
@@ -552,6 +594,10 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--deep-gemm", default=None,
                     help="folder holding the deep_gemm package")
+    ap.add_argument("--vllm-triton-src", default=None,
+                    help="vLLM main checkout (or a folder holding, or the file "
+                         "mqa_logits_triton.py) for upstream's Triton MQA logits "
+                         "(else $VLLM_MAIN_SRC)")
     ap.add_argument("--results", default=None,
                     help="results root (default bench/results); data go to "
                     "<root>/<card>/dsa_indexer.jsonl (with --smoke: only if given)")
@@ -565,6 +611,8 @@ def main():
     env_info()
     if "dg" not in skip:
         section(load_deep_gemm)()
+    if "vt" not in skip:
+        section(load_vllm_triton)()
     for fn in (prefill_checks, decode_checks, prefill_timings, decode_timings, sweep):
         if fn.__name__ not in skip:
             fn(dev)

@@ -11,9 +11,9 @@ the tables and the plot with bench/render.py. FlashMLA (SM90/SM100) comes
 from --flashmla-so (the pinned wheel's ``vllm/_flashmla_C.abi3.so``),
 $FLASHMLA_SO or the installed wheel. Upstream's Triton kernel
 (``TRITON_MLA_SPARSE`` of vLLM's main branch, not in a release) comes from
---vllm-triton-src (a checkout of vLLM main, or its
-``vllm/v1/attention/ops/triton_sparse_mla_kernel.py``) or
-$VLLM_TRITON_SPARSE_MLA; bf16 only, as it is.
+--vllm-triton-src or $VLLM_MAIN_SRC: a checkout of vLLM main, a folder
+holding its ``triton_sparse_mla_kernel.py``, or that file; bf16 only, as
+it is.
 
     PYTHONPATH=tests python bench/bench_sparse_mla.py [--flashmla-so PATH] [--sweep]
     PYTHONPATH=tests python bench/bench_sparse_mla.py --dtypes bf16 --heads 8 --sq 1 64
@@ -345,8 +345,9 @@ def parse_args():
     ap.add_argument("--flashmla-so", default=None,
                     help="FlashMLA library (else $FLASHMLA_SO or the wheel)")
     ap.add_argument("--vllm-triton-src", default=None,
-                    help="vLLM main checkout (or its triton_sparse_mla_kernel.py) for "
-                         "upstream's Triton sparse MLA (else $VLLM_TRITON_SPARSE_MLA)")
+                    help="vLLM main checkout (or a folder holding, or the file "
+                         "triton_sparse_mla_kernel.py) for upstream's Triton sparse MLA "
+                         "(else $VLLM_MAIN_SRC)")
     ap.add_argument("--results", default=None,
                     help="results root (default bench/results); data go to "
                          "<root>/<card>/sparse_mla.jsonl")

@@ -321,6 +321,9 @@ def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
     out = ["# DSA indexer: Triton vs DeepGEMM", "", *header(run)]
     if "deep_gemm" in run["figures"]:
         out += ["", f"DeepGEMM: {run['figures']['deep_gemm']}."]
+    if "vllm_triton" in run["figures"]:
+        out += ["", (f"vLLM Triton: upstream vLLM's Triton MQA logits (vLLM main, "
+                     f"mqa_logits_triton.py): {run['figures']['vllm_triton']}.")]
     checks = rows_of(rows, "checks")
     if checks:
         n_ok = sum(m["ok"] for _, m in checks)
@@ -359,11 +362,15 @@ def dsa_indexer_md(run: dict, rows: list[dict]) -> str:
 
         out += table(
             ["case", "Triton", "Triton in a CUDA graph", "DeepGEMM", "DeepGEMM / Triton",
-             "Triton rate", "torch top-k fallback"],
-            "lrrrrrr",
+             "Triton rate", "torch top-k fallback", "vLLM Triton", "vLLM Triton / Triton",
+             "vLLM Triton: rel diff, top-k rows differing"],
+            "lrrrrrrrrl",
             [[case(i, m), fmt(m.get("triton_ms"), ".4g"), fmt(m.get("triton_graph_ms"), ".4g"),
               fmt(m.get("deepgemm_ms"), ".4g"), fmt(m.get("ratio_dg_over_triton"), ".2f"),
-              rate(m), fmt(m.get("fallback_topk_ms"), ".4g")] for i, m in timings],
+              rate(m), fmt(m.get("fallback_topk_ms"), ".4g"), fmt(m.get("vllm_triton_ms"), ".4g"),
+              fmt(m.get("ratio_vllm_triton_over_triton"), ".2f"),
+              (f"{m['vllm_triton_rel_diff']:.1e}, {m['vllm_triton_topk_rows_differing']}"
+               if m.get("vllm_triton_rel_diff") is not None else "")] for i, m in timings],
         )  # fmt: skip
     sweep = rows_of(rows, "sweep")
     if sweep:

@@ -1,7 +1,8 @@
 """The peer loaders of tests/support/peers.py on CPU: upstream vLLM's
-Triton sparse MLA is read from a vLLM source tree with its two vLLM
-imports stood in for (same values), and every way of not loading it says
-why. A stand-in file written here plays the kernel file."""
+Triton sparse MLA and MQA logits are read from a vLLM source tree (or a
+folder holding the files, or the file) with their vLLM imports stood in
+for (same values), and every way of not loading them says why. Stand-in
+files written here play the kernel files."""
 
 from __future__ import annotations
 
@@ -44,9 +45,26 @@ def fake_gpu(monkeypatch):
                         lambda i: types.SimpleNamespace(multi_processor_count=188))
 
 
-def write_tree(root, text=STAND_IN):
-    path = root / peers.VLLM_TRITON_SPARSE_MLA
-    path.parent.mkdir(parents=True)
+MQA_STAND_IN = '''
+import torch
+
+from vllm.triton_utils import tl, triton
+
+
+def fp8_mqa_logits_triton(q, kv, weights, ks, ke):
+    return ("prefill", q, kv, weights, ks, ke, tl.__name__)
+
+
+def fp8_paged_mqa_logits_triton(q, kv_cache, weights, context_lens, block_tables,
+                                max_model_len):
+    return ("paged", q, tuple(kv_cache.shape), weights, context_lens, block_tables,
+            max_model_len)
+'''
+
+
+def write_tree(root, text=STAND_IN, rel=peers.VLLM_TRITON_SPARSE_MLA):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -62,16 +80,32 @@ def test_vllm_triton_sparse_mla_loads_from_a_checkout_with_its_imports_stood_in(
                    "units": 188, "tl": "triton.language", "triton": "triton"}
 
 
-def test_vllm_triton_sparse_mla_from_the_file_or_the_environment(tmp_path, fake_gpu,
-                                                                  monkeypatch):
+def test_vllm_triton_sparse_mla_from_the_file_a_folder_or_the_environment(
+        tmp_path, fake_gpu, monkeypatch):
     path = write_tree(tmp_path)
     assert peers.load_vllm_triton_sparse_mla(str(path))[1] is None
-    monkeypatch.setenv("VLLM_TRITON_SPARSE_MLA", str(tmp_path))
+    assert peers.load_vllm_triton_sparse_mla(str(path.parent))[1] is None
+    monkeypatch.setenv("VLLM_MAIN_SRC", str(tmp_path))
     assert peers.load_vllm_triton_sparse_mla()[1] is None
+    # the other peer's file is not this one
+    op, why = peers.load_vllm_triton_mqa_logits(str(path))
+    assert op is None and "is neither a folder nor mqa_logits_triton.py" in why
+
+
+def test_vllm_triton_mqa_logits_takes_deep_gemms_arguments(tmp_path, fake_gpu):
+    write_tree(tmp_path, MQA_STAND_IN, peers.VLLM_TRITON_MQA_LOGITS)
+    peer, why = peers.load_vllm_triton_mqa_logits(str(tmp_path))
+    assert why is None
+    assert peer.sha256 == hashlib.sha256(MQA_STAND_IN.encode()).hexdigest()
+    assert peer.prefill("q", "k8", "sc", "w", "ks", "ke") == (
+        "prefill", "q", ("k8", "sc"), "w", "ks", "ke", "triton.language")
+    cache = torch.zeros(3, 64, 132, dtype=torch.uint8)
+    assert peer.paged("q", cache, "w", "ctx", "bt", 4096) == (
+        "paged", "q", (3, 64, 1, 132), "w", "ctx", "bt", 4096)
 
 
 def test_vllm_triton_sparse_mla_says_why_not(tmp_path, fake_gpu, monkeypatch):
-    monkeypatch.delenv("VLLM_TRITON_SPARSE_MLA", raising=False)
+    monkeypatch.delenv("VLLM_MAIN_SRC", raising=False)
     assert "no source given" in peers.load_vllm_triton_sparse_mla()[1]
     op, why = peers.load_vllm_triton_sparse_mla(str(tmp_path))
     assert op is None and why.endswith(f"{tmp_path / peers.VLLM_TRITON_SPARSE_MLA} not found")

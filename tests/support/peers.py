@@ -104,18 +104,32 @@ def _import_package(name: str, folder: str):
     return module
 
 
-# upstream's Triton sparse MLA kernel in a vLLM source tree
+# Upstream vLLM's Triton kernels for SM8x/SM12x, in a vLLM source tree of
+# its main branch (no release has them yet), and their imports from vLLM
+# that the installed vLLM 0.23 lacks, with what stands in for each (the
+# same values and meaning).
 VLLM_TRITON_SPARSE_MLA = "vllm/v1/attention/ops/triton_sparse_mla_kernel.py"
-# Its imports from vLLM that the installed vLLM 0.23 lacks, and what stands
-# in for each (the same values and meaning).
-_VLLM_TRITON_SHIMS = {
+VLLM_TRITON_MQA_LOGITS = "vllm/v1/attention/ops/mqa_logits_triton.py"
+_TRITON_UTILS = {
     "from vllm.triton_utils import LOG2E, LOGE2, tl, triton": (
         "import math\nimport triton\nimport triton.language as tl\n"
         "LOG2E = math.log2(math.e)\nLOGE2 = math.log(2.0)"),
+    "from vllm.triton_utils import tl, triton": "import triton\nimport triton.language as tl",
+}
+_NUM_COMPUTE_UNITS = {
     "from vllm.utils.platform_utils import num_compute_units": (
         "def num_compute_units(index=None):\n"
         "    index = torch.cuda.current_device() if index is None else index\n"
         "    return torch.cuda.get_device_properties(index).multi_processor_count"),
+}
+_SHIMS = {
+    VLLM_TRITON_SPARSE_MLA: {
+        "from vllm.triton_utils import LOG2E, LOGE2, tl, triton":
+            _TRITON_UTILS["from vllm.triton_utils import LOG2E, LOGE2, tl, triton"],
+        **_NUM_COMPUTE_UNITS},
+    VLLM_TRITON_MQA_LOGITS: {
+        "from vllm.triton_utils import tl, triton":
+            _TRITON_UTILS["from vllm.triton_utils import tl, triton"]},
 }
 
 
@@ -147,32 +161,79 @@ def import_with_shims(path: str, name: str, shims: dict[str, str]):
     return module
 
 
+def _load_vllm_main(what: str, rel: str, src: str | None):
+    """(module, sha256 of its file, None) or (None, None, why): ``rel`` from
+    ``src`` (a vLLM checkout of main, a folder holding the file by its name,
+    or the file), else from ``$VLLM_MAIN_SRC``."""
+    if not torch.cuda.is_available():
+        return None, None, f"{what} needs a CUDA GPU"
+    src = src or os.environ.get("VLLM_MAIN_SRC")
+    if not src:
+        return None, None, (f"{what}: no source given (a vLLM checkout of main, or a folder "
+                            f"holding its {rel}, in VLLM_MAIN_SRC)")
+    if os.path.isdir(src):
+        found = [p for p in (os.path.join(src, rel), os.path.join(src, os.path.basename(rel)))
+                 if os.path.isfile(p)]
+        if not found:
+            return None, None, f"{what}: {os.path.join(src, rel)} not found"
+        path = found[0]
+    elif os.path.isfile(src) and os.path.basename(src) == os.path.basename(rel):
+        path = src
+    else:
+        return None, None, f"{what}: {src} is neither a folder nor {os.path.basename(rel)}"
+    name = "vllm_main_" + os.path.basename(rel)[:-3]
+    try:
+        module = import_with_shims(path, name, _SHIMS[rel])
+    except (ImportError, SyntaxError) as e:
+        return None, None, f"{what} not loadable from {path}: {e}"
+    with open(path, "rb") as f:
+        return module, hashlib.sha256(f.read()).hexdigest(), None
+
+
 def load_vllm_triton_sparse_mla(src: str | None = None) -> tuple[Callable | None, str | None]:
     """Upstream vLLM's Triton sparse MLA (split-KV decode, PR 47629's line):
     ``op(q, kv, indices, sm_scale)`` with q ``[T, H, 576]`` and kv
     ``[S, 1, 576]`` bf16, indices ``[T, 1, topk]`` int32, returns out
-    ``[T, H, 512]`` bf16, splits chosen by its own heuristic. ``src``: the
-    kernel file or a vLLM checkout holding it, else
-    ``$VLLM_TRITON_SPARSE_MLA``."""
-    if not torch.cuda.is_available():
-        return None, "vLLM's Triton sparse MLA needs a CUDA GPU"
-    src = src or os.environ.get("VLLM_TRITON_SPARSE_MLA")
-    if not src:
-        return None, ("vLLM's Triton sparse MLA: no source given (a vLLM checkout of main, "
-                      "or its file " + VLLM_TRITON_SPARSE_MLA + ", in VLLM_TRITON_SPARSE_MLA)")
-    path = os.path.join(src, VLLM_TRITON_SPARSE_MLA) if os.path.isdir(src) else src
-    if not os.path.isfile(path):
-        return None, f"vLLM's Triton sparse MLA: {path} not found"
-    try:
-        module = import_with_shims(path, "vllm_main_triton_sparse_mla", _VLLM_TRITON_SHIMS)
-        fn = module.triton_sparse_mla_attention
-    except (ImportError, AttributeError, SyntaxError) as e:
-        return None, f"vLLM's Triton sparse MLA not loadable from {path}: {e}"
+    ``[T, H, 512]`` bf16, splits chosen by its own heuristic; ``op.sha256``:
+    the file's."""
+    module, sha, why = _load_vllm_main("vLLM's Triton sparse MLA", VLLM_TRITON_SPARSE_MLA, src)
+    if module is None:
+        return None, why
+    fn = getattr(module, "triton_sparse_mla_attention", None)
+    if fn is None:
+        return None, "vLLM's Triton sparse MLA: no triton_sparse_mla_attention in the file"
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def op(q, kv, indices, sm_scale):
         return fn(q, kv, indices, sm_scale=sm_scale, sm_count=sm_count)
 
-    with open(path, "rb") as f:
-        op.sha256 = hashlib.sha256(f.read()).hexdigest()  # which version ran
+    op.sha256 = sha
     return op, None
+
+
+def load_vllm_triton_mqa_logits(src: str | None = None) -> tuple[Any | None, str | None]:
+    """Upstream vLLM's Triton MQA logits (DeepGEMM's fp8 API): ``.prefill(q,
+    k8, k_scale, weights, ks, ke)`` -> ``[M, N]`` fp32 and ``.paged(q, cache,
+    weights, context_lens, block_tables, max_len)`` (cache ``[blocks,
+    block_size, D + 4]`` uint8, context lens ``[B]``) -> ``[B * next_n,
+    max_len]`` fp32, -inf outside each window; ``.sha256``: the file's."""
+    module, sha, why = _load_vllm_main("vLLM's Triton MQA logits", VLLM_TRITON_MQA_LOGITS, src)
+    if module is None:
+        return None, why
+    try:
+        prefill, paged = module.fp8_mqa_logits_triton, module.fp8_paged_mqa_logits_triton
+    except AttributeError as e:
+        return None, f"vLLM's Triton MQA logits: {e}"
+
+    class Peer:
+        sha256 = sha
+
+        @staticmethod
+        def prefill(q, k8, k_scale, weights, ks, ke):
+            return prefill(q, (k8, k_scale), weights, ks, ke)
+
+        @staticmethod
+        def paged(q, cache, weights, context_lens, block_tables, max_len):
+            return paged(q, cache.unsqueeze(2), weights, context_lens, block_tables, max_len)
+
+    return Peer, None
