@@ -7,10 +7,7 @@ and SM90 within SM120's shared memory."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import gguf
 import pytest
@@ -139,14 +136,8 @@ def test_fused_moe_compiles_for_sm120_and_sm90(tmp_path):
     """Every type compiles for SM120 (and SM90) within SM120's shared
     memory. A fresh process: the interpreter patches triton.language in
     this one."""
-    from support.aot import SM120_MAX_SHARED_BYTES
+    from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
-    path = [os.path.join(REPO, "tests"), os.path.join(REPO, "bench")]
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path, (os.path.join(REPO, "bench"),))
     assert len(shared) == 12
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared

@@ -86,20 +86,11 @@ def test_triton_dequantizer_compiles_for_sm120_and_sm90(tmp_path):
     """Every type and output dtype compiles for SM120 (and SM90) within
     SM120's shared memory. A fresh process: the interpreter patches
     triton.language in this one."""
-    import json
     import os
-    import subprocess
-    import sys
 
-    from support.aot import SM120_MAX_SHARED_BYTES
+    from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = [os.path.join(repo, "tests"), os.path.join(repo, "bench")]
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path, (bench,))
     assert len(shared) == 12
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared

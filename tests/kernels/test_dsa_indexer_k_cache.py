@@ -13,7 +13,6 @@ compiled op in bf16 byte for byte against the Triton writer, and the
 indexer's logits and top-k from an fp16-written cache against fp64.
 """
 
-import os
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 from vllm.v1.attention.ops import dsa_indexer_k_cache as kc
 
-from support.aot import SM120_MAX_SHARED_BYTES
+from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 from support.indexer_ref import ref_logits
 
 FP8 = torch.float8_e4m3fn
@@ -170,18 +169,7 @@ print(json.dumps(out))
 def test_aot_compiles_for_sm120_and_sm80(tmp_path):
     """No fp8 instruction in the writer: it compiles for SM80 as for SM120.
     A fresh process: the interpreter patches triton.language in this one."""
-    import json
-    import subprocess
-    import sys
-
-    tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([tests_root, *filter(None, [
-                   os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path, timeout=600)
     assert len(shared) == 4
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 

@@ -11,14 +11,13 @@ path for sm_86; tests/support/aot.py) to keep shared memory within
 GPU (`-m gpu`): larger shapes, plus DeepGEMM side by side where it runs.
 """
 
-import os
 
 import pytest
 import torch
 import triton
 from vllm.v1.attention.ops import triton_dsa_indexer as tdi
 
-from support.aot import SM120_MAX_SHARED_BYTES, dsa_indexer_kernels
+from support.aot import SM120_MAX_SHARED_BYTES, dsa_indexer_kernels, run_aot_script
 from support.indexer_ref import ref_logits
 from support.peers import load_deep_gemm
 
@@ -553,30 +552,7 @@ def test_aot_shared_memory(tmp_path):
     """Every shipped config compiles for sm_120/sm_121 (fp8) and sm_86
     (fp8->fp16) within 101,376 B. A fresh process: the interpreter used by
     the other tests patches triton.language in this one."""
-    import json
-    import subprocess
-    import sys
-
-    # A private cache: a cold compile each time, but no races with other
-    # processes sharing the default one.
-    support_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="0",
-        TRITON_CACHE_DIR=str(tmp_path),
-        PYTHONPATH=os.pathsep.join(
-            [support_root, *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path, timeout=600)
     expected = sum(1 if k.constexprs["UPCAST"] else 2 for k in dsa_indexer_kernels())
     assert len(shared) == expected
     over = {k: v for k, v in shared.items() if not 0 < v <= SM120_MAX_SHARED_BYTES}

@@ -15,6 +15,10 @@ JITFunctions, and the interpreter patches ``triton.language``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,23 @@ class AotKernel:
     # strides): without the same hints the AOT build is another kernel.
     aligned: tuple[str, ...] = ()
     gluon: bool = False
+
+
+def run_aot_script(script: str, cache_dir, extra_paths: tuple[str, ...] = (),
+                   timeout: int = 900) -> Any:
+    """Run ``script``, which prints one JSON value on its last line, in a
+    fresh Python with the interpreter off (a process that ran the
+    interpreter has triton.language patched), tests/ and ``extra_paths`` on
+    the path and a private Triton cache in ``cache_dir`` (a cold compile,
+    no races with other processes); returns that value."""
+    tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [tests_root, *extra_paths, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def compile_for(kernel: AotKernel, capability: tuple[int, int]):

@@ -92,8 +92,12 @@ def _import_package(name: str, folder: str):
     other relatively), without putting folder's other packages on the path."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
+    return _exec_module(name, importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]))
+
+
+def _exec_module(name: str, spec):
+    """The module of ``spec``, registered as ``name`` (and not, if it fails)."""
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -150,15 +154,7 @@ def import_with_shims(path: str, name: str, shims: dict[str, str]):
     copy = os.path.join(folder, os.path.basename(path))
     with open(copy, "w") as f:
         f.write(text)
-    spec = importlib.util.spec_from_file_location(name, copy)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return _exec_module(name, importlib.util.spec_from_file_location(name, copy))
 
 
 def _load_vllm_main(what: str, rel: str, src: str | None):
