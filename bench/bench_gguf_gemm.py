@@ -22,9 +22,10 @@ prefill):
 
 Both also time the candidate Triton dequantizer of gguf_triton_dequant.py
 (Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's;
-``moe`` also the candidate fused MoE of gguf_fused_moe.py, which reads the
-blocks of those types itself (the fastest of a few tile configurations,
-named, and its output's distance from the fp16 path's on the same values).
+``moe`` also the series' fused MoE that reads the blocks of those types
+itself (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused; the fastest of a few
+tiles, named, and its output's distance from the fp16 path's on the same
+values), where the installed wheel has it.
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
@@ -48,7 +49,6 @@ import sys
 import time
 
 import gguf
-import gguf_fused_moe as fmoe
 import gguf_triton_dequant as tdq
 import torch
 import triton.testing
@@ -192,26 +192,34 @@ def _triton_dequant_layer(q13, t13, q2, t2):
             tdq.dequantize(q2, t2, torch.float16))
 
 
-# the candidate fused MoE's tiles: (BLOCK_M, BLOCK_N, warps, stages)
-FUSED_CONFIGS = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2),
-                 (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)]
+# the fused MoE's tiles: (BLOCK_M, BLOCK_N, warps)
+FUSED_TILES = [(16, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 4),
+               (128, 64, 8), (128, 32, 8)]
 
 
-def _fused(x, q13, t13, q2, t2, wts, ids, reference) -> dict:
-    """The candidate fused MoE at its fastest configuration: ms, the
-    configuration, and its distance from ``reference`` (the fp16 path)."""
+def fused_module():
+    """The series' fused GGUF MoE, None where the installed wheel lacks it."""
+    try:
+        from vllm.model_executor.layers.quantization import gguf_fused_moe
+    except ImportError:
+        return None
+    return gguf_fused_moe
+
+
+def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
+    """The fused MoE at its fastest tile: ms, the tile, and its distance
+    from ``reference`` (the fp16 path)."""
     n, top_k = ids.shape
     best = None
     try:
-        for bm, bn, warps, stages in FUSED_CONFIGS:
-            if bm > 16 * max(1, n * top_k // q13.shape[0]):
+        for tile in FUSED_TILES:
+            if tile[0] > 16 * max(1, n * top_k // q13.shape[0]):
                 continue  # blocks mostly padding
             fn = functools.partial(fmoe.fused_moe, x, q13, int(t13), q2, int(t2), wts, ids,
-                                   block_m=bm, block_n=bn, num_warps=warps,
-                                   num_stages=stages)
+                                   tile=tile)
             t = ms(fn)
             if best is None or t < best[0]:
-                best = (t, f"m{bm} n{bn} w{warps}", fn)
+                best = (t, "m{} n{} w{}".format(*tile), fn)
     except Exception as e:  # a candidate's failure is a finding, not the run's end
         return {"fused_error": f"{type(e).__name__}: {str(e)[:200]}"}
     return {"fused_ms": best[0], "fused_config": best[1],
@@ -225,6 +233,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
+    fmoe = fused_module()
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -255,8 +264,8 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 gguf_ms = kernel = engine_ms = mmq_ms = vec_ms = None
                 notes = []
                 fused = {}
-                if q13 is not None and fmoe.supported(t13) and fmoe.supported(t2):
-                    fused = _fused(x, q13, t13, q2, t2, wts, ids,
+                if q13 is not None and fmoe and fmoe.supported(t13, t2, h, inter):
+                    fused = _fused(fmoe, x, q13, t13, q2, t2, wts, ids,
                                    fused_experts(x, w13, w2, wts, ids))
                     if "fused_error" in fused:
                         notes.append(f"fused candidate: {fused.pop('fused_error')}")

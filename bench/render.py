@@ -394,7 +394,7 @@ def _triton_dequant(m: dict) -> str:
 
 
 def _fused(m: dict) -> str:
-    """The candidate fused MoE's time, tile and distance from the fp16 path."""
+    """The fused MoE's time, tile and distance from the fp16 path."""
     if m.get("fused_ms") is None:
         return ""
     return f"{m['fused_ms']:.4g} ({m['fused_config']}, diff {m['fused_max_diff']:.1e})"
@@ -413,8 +413,9 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "GGUF / engine: its speed-up over ggml's kernels. MMQ, vector: ggml's two MoE "
             "kernels forced at any batch size. Dequantize (Triton): the candidate dequantizer of "
             "bench/gguf_triton_dequant.py, with its largest difference from ggml_dequantize's "
-            "values relative to the largest value. Fused (Triton): the candidate MoE of "
-            "bench/gguf_fused_moe.py, which reads the GGUF blocks in its GEMMs, at its fastest "
+            "values relative to the largest value. Fused (Triton): the series' fused MoE "
+            "(gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused), which reads the GGUF blocks in its "
+            "GEMMs, at its fastest "
             "tile, with its largest difference from the fp16 path's output. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):

@@ -6,7 +6,8 @@ size on, a GGUF linear layer dequantizes its weight and runs torch.matmul,
 and the routed experts dequantize (a group of experts at a time when they
 are large) and run vLLM's Triton fused MoE.
 
-CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream),
+CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream,
+and =fused: gguf_fused_moe's kernel where it decodes the types),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
 fused_experts (fp64, honouring expert_map) show that every expert is
 dequantized once, its tokens computed by its own group only, and the sum
@@ -210,6 +211,46 @@ def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch)
                         f"{tokens} tokens")
         float_path = switch == "series" and tokens >= 20
         assert bool(floats.groups) == float_path and bool(ggml.calls) != float_path
+
+
+@pytest.mark.parametrize("types,fused", [(("Q4_K", "Q4_K", "Q6_K"), True),
+                                         (("IQ4_XS", "IQ4_XS", "Q6_K"), False),
+                                         (("Q4_K", "Q6_K", "Q6_K"), False)], ids=str)
+def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monkeypatch):
+    """VLLM_GGUF_KERNELS=fused: at the float path's threshold the MoE op
+    (the split op where gate and up differ) runs the fused kernel where it
+    decodes every type and gate and up share one, else the float path; below
+    the threshold ggml's kernels as before. The result is the layer's."""
+    from vllm.model_executor.layers.quantization import gguf_fused_moe, gguf_split_moe
+    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
+
+    gguf_dispatch, module = _module(), gguf_fused_moe
+    calls = []
+    real = module.fused_moe
+    monkeypatch.setattr(module, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", "fused")
+    monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_MIN_TOKENS", 12)
+    monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_MIN_TOKENS_VEC", 12)
+    CpuGgufMoeOps().install(monkeypatch)
+    floats = CpuFloatKernels().install(monkeypatch)
+    raw, values = experts(types)
+    qt = [int(QType[t]) for t in types]
+    for tokens in (11, 12):
+        x, topk_weights, topk_ids = batch(tokens, torch.float16, seed=tokens)
+        calls.clear()
+        floats.groups.clear()
+        if types[0] == types[1]:
+            out = _fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights,
+                                  topk_ids, qt[0], qt[2], "silu")
+        else:
+            out = gguf_split_moe.fused_moe_gguf_split(x, *raw, topk_weights, topk_ids, *qt,
+                                                      "silu")
+        ref = moe_reference(x, *values, topk_weights, topk_ids)
+        assert torch.isfinite(out).all()
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 4e-3 * ref.abs().max().item(), (tokens, err)
+        assert bool(calls) == (fused and tokens >= 12)
+        assert bool(floats.groups) == (not fused and tokens >= 12)
 
 
 # ---------------------------------------------------------------------------

@@ -1,13 +1,19 @@
-"""bench/gguf_fused_moe.py on CPU (TRITON_INTERPRET=1, fp16): the candidate
-fused MoE that reads GGUF blocks against the fp64 reference of the layer
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fused MoE that reads GGUF blocks (gguf_fused_moe.py,
+VLLM_GGUF_KERNELS=fused).
+
+CPU (TRITON_INTERPRET=1, fp16): against the fp64 reference of the layer
 from gguf-py's values, every row written (intermediates poisoned with NaN),
 experts without tokens, a partial last row block, duplicate experts in a
-token's top-k; bad input refused by name; the kernel compiles for SM120
-and SM90 within SM120's shared memory."""
+token's top-k; expert ids out of range refused; the kernel compiles for
+SM120 and SM90 within SM120's shared memory; gguf_dispatch takes it with
+the switch where it would take the float path, for the types it decodes
+only. GPU (`-m gpu`): the registered MoE op with the switch against fp64,
+fp16 and bf16.
+"""
 
 from __future__ import annotations
-
-import os
 
 import gguf
 import pytest
@@ -16,19 +22,23 @@ import torch
 from support.gguf_moe_ref import moe_reference, random_blocks
 
 Q = gguf.GGMLQuantizationType
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module():
+    from vllm.model_executor.layers.quantization import gguf_fused_moe
+
+    return gguf_fused_moe
 
 
 @pytest.fixture
 def fmoe(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import gguf_fused_moe
+    module = _module()
 
     def poisoned(*args, **kwargs):
         return torch.full(*args, float("nan"), **kwargs)
 
-    monkeypatch.setattr(gguf_fused_moe, "_empty", poisoned)
-    return gguf_fused_moe
+    monkeypatch.setattr(module, "_empty", poisoned)
+    return module
 
 
 def layer(w13_type, w2_type, experts, hidden, inter, seed):
@@ -50,7 +60,7 @@ def test_fused_moe_matches_fp64(fmoe, w13_type, w2_type, tokens, top_k, block_m)
     topk_ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k].to(torch.int32)
     topk_weights = torch.rand(tokens, top_k, generator=g) + 0.1
     out = fmoe.fused_moe(x, w13, int(Q[w13_type]), w2, int(Q[w2_type]), topk_weights,
-                         topk_ids, block_m=block_m, block_n=32)
+                         topk_ids, tile=(block_m, 32, 4))
     ref = moe_reference(x, *values, topk_weights, topk_ids)
     assert out.shape == ref.shape and out.dtype == torch.float16
     assert torch.isfinite(out).all()
@@ -68,15 +78,14 @@ def test_duplicate_experts_and_idle_experts(fmoe):
     topk_ids = torch.tensor([[4, 4], [1, 4], [1, 1]], dtype=torch.int32)
     topk_weights = torch.rand(3, 2, generator=g) + 0.1
     out = fmoe.fused_moe(x, w13, int(Q.Q4_K), w2, int(Q.Q6_K), topk_weights, topk_ids,
-                         block_m=16, block_n=32)
+                         tile=(16, 32, 4))
     ref = moe_reference(x, *values, topk_weights, topk_ids)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item()
 
 
 def test_align_pads_each_expert_and_keeps_every_row():
-    import gguf_fused_moe as fmoe
-
+    fmoe = _module()
     ids = torch.tensor([[2, 0], [2, 2], [0, 3]])
     sorted_ids, expert_ids, total = fmoe.align(ids, 4, 5)
     assert total == 12 and expert_ids.tolist() == [0, 2, 3]
@@ -86,31 +95,23 @@ def test_align_pads_each_expert_and_keeps_every_row():
 @pytest.mark.parametrize("ids,match", [([[0, 5]], r"topk_ids must lie in \[0, 5\)"),
                                        ([[-1, 0]], r"topk_ids must lie in \[0, 5\)")])
 def test_align_refuses_experts_out_of_range(ids, match):
-    import gguf_fused_moe as fmoe
-
+    fmoe = _module()
     with pytest.raises(ValueError, match=match):
         fmoe.align(torch.tensor(ids), 16, 5)
 
 
-def test_bad_weights_are_refused_by_name():
-    import gguf_fused_moe as fmoe
-
-    x = torch.zeros(2, 256, dtype=torch.float16)
-    ids, wts = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
-    w13 = torch.zeros(3, 512, 144, dtype=torch.uint8)
-    w2 = torch.zeros(3, 256, 144, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="w13: GGUF type IQ4_XS has no fused kernel"):
-        fmoe.fused_moe(x, w13, int(Q.IQ4_XS), w2, int(Q.Q4_K), wts, ids)
-    with pytest.raises(ValueError, match=r"w2: \[experts, 256, 210\] uint8 blocks of Q6_K"):
-        fmoe.fused_moe(x, w13, int(Q.Q4_K), w2, int(Q.Q6_K), wts, ids)
-    with pytest.raises(ValueError, match="w13: rows of 320 values, a multiple of 256"):
-        fmoe.fused_moe(torch.zeros(2, 320, dtype=torch.float16), w13, int(Q.Q4_K), w2,
-                       int(Q.Q4_K), wts, ids)
+def test_supported_types_and_shapes():
+    fmoe = _module()
+    q4k, q6k, q8, iq4 = (int(Q[t]) for t in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS"))
+    assert fmoe.supported(q4k, q6k, 6144, 256) and fmoe.supported(q8, q8, 7168, 2048)
+    assert not fmoe.supported(iq4, q6k, 6144, 256)  # no decoder for IQ types here
+    assert not fmoe.supported(q4k, iq4, 6144, 256)
+    assert not fmoe.supported(q8, q8, 6144, 96)  # K of the down GEMM not whole superblocks
 
 
 _AOT_SCRIPT = r"""
 import json
-import gguf_fused_moe as fmoe
+from vllm.model_executor.layers.quantization import gguf_fused_moe as fmoe
 from support.aot import AotKernel, compile_for
 out = {}
 sig = {"a_ptr": "*fp16", "b_ptr": "*u8", "c_ptr": "*fp16", "weights_ptr": "*fp32",
@@ -138,6 +139,44 @@ def test_fused_moe_compiles_for_sm120_and_sm90(tmp_path):
     this one."""
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
-    shared = run_aot_script(_AOT_SCRIPT, tmp_path, (os.path.join(REPO, "bench"),))
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path)
     assert len(shared) == 12
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+GPU_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q6_K", "Q4_K")],
+                         ids="-".join)
+def test_the_moe_op_with_the_switch_on_the_gpu(types, dtype, monkeypatch):
+    """The registered MoE op with VLLM_GGUF_KERNELS=fused at the float
+    path's threshold: the fused kernel against fp64, poisoned buffers."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+    from vllm.model_executor.layers.quantization.gguf import fused_moe_gguf
+
+    module = _module()
+    monkeypatch.setattr(module, "_empty",
+                        lambda *a, **k: torch.full(*a, float("nan"), **k))
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", "fused")
+    experts, hidden, inter, top_k = 16, 1024, 512, 4
+    w13, w2, values = layer(*types, experts, hidden, inter, 9)
+    tokens = gguf_dispatch.MOE_DEQUANT_MIN_TOKENS
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    topk_ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k].to(torch.int32)
+    topk_weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    out = fused_moe_gguf(x.cuda(), w13.cuda(), w2.cuda(), topk_weights.cuda(),
+                         topk_ids.cuda(), int(Q[types[0]]), int(Q[types[1]]), "silu")
+    torch.cuda.synchronize()
+    ref = moe_reference(x, *values, topk_weights, topk_ids)
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= GPU_TOL[dtype] * ref.abs().max().item(), err
