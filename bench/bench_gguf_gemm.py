@@ -22,10 +22,11 @@ prefill):
 
 Both also time the candidate Triton dequantizer of gguf_triton_dequant.py
 (Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's;
-``moe`` also the series' fused MoE that reads the blocks of those types
-itself (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused; the fastest of a few
-tiles, named, and its output's distance from the fp16 path's on the same
-values), where the installed wheel has it.
+``moe`` also the series' fused MoE that reads GGUF blocks itself
+(gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused: K-quants, Q8_0 and the IQ
+types of the low-bit files; the fastest of a few tiles, named, and its
+output's distance from the fp16 path's on the same values), where the
+installed wheel has it.
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is

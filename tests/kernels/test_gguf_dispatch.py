@@ -214,7 +214,8 @@ def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch)
 
 
 @pytest.mark.parametrize("types,fused", [(("Q4_K", "Q4_K", "Q6_K"), True),
-                                         (("IQ4_XS", "IQ4_XS", "Q6_K"), False),
+                                         (("IQ2_XXS", "IQ2_XXS", "IQ3_XXS"), True),
+                                         (("Q5_K", "Q5_K", "Q6_K"), False),
                                          (("Q4_K", "Q6_K", "Q6_K"), False)], ids=str)
 def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monkeypatch):
     """VLLM_GGUF_KERNELS=fused: at the float path's threshold the MoE op

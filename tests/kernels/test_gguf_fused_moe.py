@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fused MoE that reads GGUF blocks (gguf_fused_moe.py,
-VLLM_GGUF_KERNELS=fused).
+VLLM_GGUF_KERNELS=fused): K-quants, Q8_0 and the IQ types of the low-bit
+files.
 
 CPU (TRITON_INTERPRET=1, fp16): against the fp64 reference of the layer
 from gguf-py's values, every row written (intermediates poisoned with NaN),
 experts without tokens, a partial last row block, duplicate experts in a
 token's top-k; expert ids out of range refused; the kernel compiles for
-SM120 and SM90 within SM120's shared memory; gguf_dispatch takes it with
-the switch where it would take the float path, for the types it decodes
-only. GPU (`-m gpu`): the registered MoE op with the switch against fp64,
-fp16 and bf16.
+SM120 and SM90 within SM120's shared memory (where gguf_dispatch takes it:
+tests/kernels/test_gguf_dispatch.py). GPU (`-m gpu`): the registered MoE op
+with the switch against fp64, fp16 and bf16.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def layer(w13_type, w2_type, experts, hidden, inter, seed):
 
 
 @pytest.mark.parametrize("w13_type,w2_type", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"),
-                                               ("Q6_K", "Q4_K")])
+                                               ("Q6_K", "Q4_K"), ("IQ2_XXS", "IQ3_XXS"),
+                                               ("IQ4_XS", "IQ2_XXS"), ("IQ3_XXS", "IQ4_XS")])
 @pytest.mark.parametrize("tokens,top_k,block_m", [(1, 1, 16), (7, 3, 16), (21, 2, 32)])
 def test_fused_moe_matches_fp64(fmoe, w13_type, w2_type, tokens, top_k, block_m):
     experts, hidden, inter = 5, 512, 256
@@ -102,10 +103,12 @@ def test_align_refuses_experts_out_of_range(ids, match):
 
 def test_supported_types_and_shapes():
     fmoe = _module()
-    q4k, q6k, q8, iq4 = (int(Q[t]) for t in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS"))
+    q4k, q6k, q8, iq4, iq2, q5k, iq3s = (int(Q[t]) for t in (
+        "Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ2_XXS", "Q5_K", "IQ3_S"))
     assert fmoe.supported(q4k, q6k, 6144, 256) and fmoe.supported(q8, q8, 7168, 2048)
-    assert not fmoe.supported(iq4, q6k, 6144, 256)  # no decoder for IQ types here
-    assert not fmoe.supported(q4k, iq4, 6144, 256)
+    assert fmoe.supported(iq2, iq4, 6144, 256)
+    assert not fmoe.supported(q5k, q6k, 6144, 256)  # no decoder here
+    assert not fmoe.supported(q4k, iq3s, 6144, 256)
     assert not fmoe.supported(q8, q8, 6144, 96)  # K of the down GEMM not whole superblocks
 
 
@@ -115,7 +118,8 @@ from vllm.model_executor.layers.quantization import gguf_fused_moe as fmoe
 from support.aot import AotKernel, compile_for
 out = {}
 sig = {"a_ptr": "*fp16", "b_ptr": "*u8", "c_ptr": "*fp16", "weights_ptr": "*fp32",
-       "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded": "i32",
+       "grid_ptr": "*fp32", "signs_ptr": "*u8", "sorted_ids_ptr": "*i32",
+       "expert_ids_ptr": "*i32", "num_padded": "i32",
        "num_rows": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_be": "i64",
        "stride_bn": "i32", "stride_cm": "i32"}
 for qtype, (qk, size) in fmoe.LAYOUT.items():
@@ -140,7 +144,7 @@ def test_fused_moe_compiles_for_sm120_and_sm90(tmp_path):
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
     shared = run_aot_script(_AOT_SCRIPT, tmp_path)
-    assert len(shared) == 12
+    assert len(shared) == 24
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 
@@ -153,7 +157,8 @@ GPU_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
-@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q6_K", "Q4_K")],
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q6_K", "Q4_K"),
+                                   ("IQ2_XXS", "IQ3_XXS"), ("IQ4_XS", "IQ4_XS")],
                          ids="-".join)
 def test_the_moe_op_with_the_switch_on_the_gpu(types, dtype, monkeypatch):
     """The registered MoE op with VLLM_GGUF_KERNELS=fused at the float
