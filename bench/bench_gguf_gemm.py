@@ -269,7 +269,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                     fused = _fused(fmoe, x, q13, t13, q2, t2, wts, ids,
                                    fused_experts(x, w13, w2, wts, ids))
                     if "fused_error" in fused:
-                        notes.append(f"fused candidate: {fused.pop('fused_error')}")
+                        notes.append(f"fused MoE: {fused.pop('fused_error')}")
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                     kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice

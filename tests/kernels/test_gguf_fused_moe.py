@@ -19,7 +19,7 @@ import gguf
 import pytest
 import torch
 
-from support.gguf_moe_ref import moe_reference, random_blocks
+from support.gguf_moe_ref import CpuGgufMoeOps, moe_reference, random_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -33,6 +33,7 @@ def _module():
 @pytest.fixture
 def fmoe(monkeypatch):
     module = _module()
+    CpuGgufMoeOps().install(monkeypatch)  # silu_and_mul on the CPU
 
     def poisoned(*args, **kwargs):
         return torch.full(*args, float("nan"), **kwargs)
