@@ -211,8 +211,9 @@ def load_deep_gemm():
         DATA.figures["deep_gemm"] = why
         return
     version = getattr(DG, "__version__", "?")
-    DATA.figures["deep_gemm"] = f"{version} from {DG.__file__}"
-    log("DeepGEMM", version, "from", DG.__file__)
+    # the module, not its file: records name no machine's paths
+    DATA.figures["deep_gemm"] = f"{version} ({DG.__name__})"
+    log("DeepGEMM", version, f"({DG.__name__})")
 
 
 def load_vllm_triton():

@@ -51,6 +51,7 @@ import time
 
 import gguf
 import gguf_triton_dequant as tdq
+import numpy as np
 import torch
 import triton.testing
 from gguf import GGMLQuantizationType as T
@@ -92,8 +93,11 @@ QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 
 
 def random_blocks(qtype: T, rows: int, cols: int, gen: torch.Generator,
-                  lead: tuple[int, ...] = (), device: str = "cuda") -> torch.Tensor:
-    """[*lead, rows, bytes] uint8 of random blocks, block scales finite."""
+                  lead: tuple[int, ...] = (), device: str = "cuda",
+                  rms: float | None = None) -> torch.Tensor:
+    """[*lead, rows, bytes] uint8 of random blocks, block scales finite: 0.001,
+    or with ``rms`` the scale that gives weights of about that rms (every
+    type's weights are linear in its fp16 scales)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     assert cols % block == 0, (qtype.name, cols)
     nb = cols // block
@@ -102,10 +106,23 @@ def random_blocks(qtype: T, rows: int, cols: int, gen: torch.Generator,
         n *= d
     raw = torch.randint(0, 256, (n * rows * nb, size), dtype=torch.uint8, device=device,
                         generator=gen)
-    scale = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).to(device)
+    value = 0.001 if rms is None else rms / unit_rms(qtype)
+    scale = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
     for off in F16_FIELDS[qtype.name]:
         raw[:, off:off + 2] = scale
     return raw.view(*lead, rows, nb * size)
+
+
+@functools.cache
+def unit_rms(qtype: T) -> float:
+    """The rms of random blocks' weights with every fp16 scale 1 (gguf-py's
+    decoder on 256 blocks)."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (256, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype.name]:
+        raw[:, off:off + 2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    w = gguf.quants.dequantize(raw.reshape(-1), qtype).astype(np.float64)
+    return float(np.sqrt(np.mean(w * w)))
 
 
 def dequant(w: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
@@ -223,6 +240,9 @@ def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
                 best = (t, "m{} n{} w{}".format(*tile), fn)
     except Exception as e:  # a candidate's failure is a finding, not the run's end
         return {"fused_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    if not torch.isfinite(reference).all():
+        return {"fused_ms": best[0], "fused_config": best[1],
+                "fused_error": "the fp16 path's result is not finite: no distance"}
     return {"fused_ms": best[0], "fused_config": best[1],
             "fused_max_diff": _max_diff(best[2](), reference)}
 
@@ -241,13 +261,15 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
         for name, t13, t2 in EXPERT_TYPES:
             if name == "f16":
                 w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=gen,
-                                  dtype=torch.float16) * 0.02
+                                  dtype=torch.float16) / h**0.5
                 w2 = torch.randn(e, h, inter, device="cuda", generator=gen,
-                                 dtype=torch.float16) * 0.02
+                                 dtype=torch.float16) / inter**0.5
                 q13 = q2 = None
             else:
-                q13 = random_blocks(t13, 2 * inter, h, gen, (e,))
-                q2 = random_blocks(t2, h, inter, gen, (e,))
+                # weights of rms 1/sqrt(K), as trained layers have: outputs of
+                # the size of the inputs, no fp16 overflow in the reference
+                q13 = random_blocks(t13, 2 * inter, h, gen, (e,), rms=h**-0.5)
+                q2 = random_blocks(t2, h, inter, gen, (e,), rms=inter**-0.5)
                 w13, w2 = dequant(q13, t13, h), dequant(q2, t2, inter)
             dq_ms = tdq_ms = tdq_exact = None
             if q13 is not None:
@@ -312,7 +334,7 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:
-            q = random_blocks(qtype, out, inp, gen)
+            q = random_blocks(qtype, out, inp, gen, rms=inp**-0.5)
             w = dequant(q, qtype, inp)
             dq_ms = ms(dequant, q, qtype, inp)
             tdq_ms = tdq_exact = None

@@ -34,6 +34,19 @@ def test_random_blocks_have_finite_scaled_weights(qtype):
     np.testing.assert_allclose(w2, 2 * w, rtol=1e-2, atol=1e-7)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_blocks_take_the_rms_asked_for(qtype):
+    """With rms=1/sqrt(K) the fp16 reference of a K-long dot product stays
+    near 1 (the MoE's fp16 path overflowed with the fixed scale)."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    cols = 24 * block if block == 32 else 3 * block
+    q = bench.random_blocks(qtype, 64, cols, torch.Generator().manual_seed(3), device="cpu",
+                            rms=cols**-0.5)
+    w = gguf.quants.dequantize(q.numpy().reshape(-1), qtype).astype(np.float64)
+    assert np.isfinite(w).all()
+    assert np.sqrt(np.mean(w * w)) == pytest.approx(cols**-0.5, rel=0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_triton_dequantizer_writes_gguf_py_values(qtype, dtype, monkeypatch):
