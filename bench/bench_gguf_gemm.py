@@ -20,8 +20,9 @@ prefill):
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
   the engine's choice.
 
-Both also time the candidate Triton dequantizer of gguf_triton_dequant.py
-(Q8_0, Q4_K, Q6_K) and record how far its values are from ggml_dequantize's;
+Both also time the series' Triton dequantizer of the float paths
+(gguf_dequant.py: Q8_0, Q4_K, Q6_K) and record how far its values are from
+ggml_dequantize's;
 ``moe`` also the series' fused MoE that reads GGUF blocks itself
 (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused: K-quants, Q8_0 and the IQ
 types of the low-bit files; the fastest of a few tiles, named, and its
@@ -50,7 +51,6 @@ import sys
 import time
 
 import gguf
-import gguf_triton_dequant as tdq
 import numpy as np
 import torch
 import triton.testing
@@ -205,7 +205,17 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / max(b.float().abs().max().item(), 1e-30)
 
 
-def _triton_dequant_layer(q13, t13, q2, t2):
+def dequant_module():
+    """The series' Triton dequantizer of the float paths, None where the
+    installed wheel lacks it."""
+    try:
+        from vllm.model_executor.layers.quantization import gguf_dequant
+    except ImportError:
+        return None
+    return gguf_dequant
+
+
+def _triton_dequant_layer(tdq, q13, t13, q2, t2):
     return (tdq.dequantize(q13, t13, torch.float16),
             tdq.dequantize(q2, t2, torch.float16))
 
@@ -255,6 +265,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
 
     switch = has_dequant_switch()
     fmoe = fused_module()
+    tdq = dequant_module()
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -274,10 +285,10 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
             dq_ms = tdq_ms = tdq_exact = None
             if q13 is not None:
                 dq_ms = ms(_dequant_layer, q13, t13, h, q2, t2, inter)
-                if tdq.supported(t13) and tdq.supported(t2):
+                if tdq and tdq.supported(t13) and tdq.supported(t2):
                     tdq_exact = max(_max_diff(tdq.dequantize(q13, t13, torch.float16), w13),
                                     _max_diff(tdq.dequantize(q2, t2, torch.float16), w2))
-                    tdq_ms = ms(_triton_dequant_layer, q13, t13, q2, t2)
+                    tdq_ms = ms(_triton_dequant_layer, tdq, q13, t13, q2, t2)
             for n in tokens:
                 x = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.float16)
                 ids = torch.rand(n, e, device="cuda", generator=gen).argsort(-1)[:, :top_k]
@@ -331,6 +342,7 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
 
     switch = has_dequant_switch()
+    tdq = dequant_module()
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:
@@ -338,7 +350,7 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
             w = dequant(q, qtype, inp)
             dq_ms = ms(dequant, q, qtype, inp)
             tdq_ms = tdq_exact = None
-            if tdq.supported(qtype):
+            if tdq and tdq.supported(qtype):
                 tdq_exact = _max_diff(tdq.dequantize(q, qtype, torch.float16), w)
                 tdq_ms = ms(tdq.dequantize, q, qtype, torch.float16)
             for n in tokens:

@@ -9,7 +9,8 @@ are large) and run vLLM's Triton fused MoE.
 CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream,
 and =fused: gguf_fused_moe's kernel where it decodes the types),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
-fused_experts (fp64, honouring expert_map) show that every expert is
+fused_experts (fp64, honouring expert_map), with gguf_dequant's Triton
+kernel for Q8_0, Q4_K and Q6_K in the interpreter, show that every expert is
 dequantized once, its tokens computed by its own group only, and the sum
 equal to the fp64 reference, for one group, several and one expert a group.
 GPU (`-m gpu`): the real kernels through the registered ops, in fp16 and
@@ -66,17 +67,29 @@ def assert_close_to(out, ref, tol, what):
 class CpuFloatKernels:
     """ggml_dequantize (gguf-py, rounded to the asked dtype) and
     fused_experts (fp64 from its float weights, honouring expert_map and
-    global_num_experts, rounded to x's dtype) on the CPU; records the
-    dequantized rows and each fused_experts call's local experts."""
+    global_num_experts, rounded to x's dtype) on the CPU; records the rows
+    gguf_dispatch dequantizes (``dequantized``, whichever kernel does it),
+    those ggml_dequantize writes (``ggml``) and each fused_experts call's
+    local experts. Q8_0, Q4_K and Q6_K run gguf_dequant's Triton kernel in
+    the interpreter."""
 
     def __init__(self):
         self.dequantized: list[tuple[str, int]] = []
+        self.ggml: list[tuple[str, int]] = []
         self.groups: list[list[int]] = []
 
     def install(self, monkeypatch):
         from vllm import _custom_ops as ops
         from vllm.model_executor.layers import fused_moe
+        from vllm.model_executor.layers.quantization import gguf_dispatch
 
+        real = gguf_dispatch.dequantize
+
+        def recorded(qweight, qtype, dtype):
+            self.dequantized.append((QType(qtype).name, qweight.numel() // qweight.shape[-1]))
+            return real(qweight, qtype, dtype)
+
+        monkeypatch.setattr(gguf_dispatch, "dequantize", recorded)
         monkeypatch.setattr(ops, "ggml_dequantize", self.ggml_dequantize)
         monkeypatch.setattr(fused_moe, "fused_experts", self.fused_experts)
         return self
@@ -84,7 +97,7 @@ class CpuFloatKernels:
     def ggml_dequantize(self, w, qtype, m, n, dtype):
         assert w.dtype == torch.uint8 and w.dim() == 2 and w.shape[0] == m
         name = QType(qtype).name
-        self.dequantized.append((name, m))
+        self.ggml.append((name, m))
         out = dequantize(w, name)
         assert out.shape == (m, n)
         return out.to(dtype)
@@ -137,6 +150,27 @@ def test_grouped_experts_match_the_fp64_reference(types, group, dtype, monkeypat
     assert sorted(covered) == sorted(set(topk_ids.flatten().tolist()))
     rows = sum(m for _, m in kernels.dequantized)
     assert rows == E * (2 * INTER + HIDDEN)
+    # Q8_0, Q4_K and Q6_K through gguf_dequant, the other types through ggml
+    assert {t for t, _ in kernels.ggml} == set(types) - {"Q8_0", "Q4_K", "Q6_K"}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS"])
+def test_dequantize_takes_the_triton_kernel_for_its_types(qtype, monkeypatch):
+    """gguf_dispatch.dequantize: gguf_dequant's kernel for the types it
+    writes, ggml_dequantize for the rest; gguf-py's values either way."""
+    from vllm.model_executor.layers.quantization import gguf_dequant
+
+    mod = _module()
+    kernels = CpuFloatKernels().install(monkeypatch)
+    triton_calls = []
+    real = gguf_dequant.dequantize
+    monkeypatch.setattr(gguf_dequant, "dequantize",
+                        lambda *a, **k: triton_calls.append(1) or real(*a, **k))
+    raw, values = random_blocks(qtype, (2, 3, 512), torch.Generator().manual_seed(2))
+    out = mod.dequantize(raw, int(QType[qtype]), torch.float32)
+    assert torch.equal(out.double(), values)
+    takes_triton = qtype in ("Q8_0", "Q4_K", "Q6_K")
+    assert bool(triton_calls) == takes_triton and bool(kernels.ggml) != takes_triton
 
 
 def test_a_fused_moe_ignoring_the_groups_is_caught(monkeypatch):
