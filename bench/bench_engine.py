@@ -57,11 +57,14 @@ def cmd_plan(args) -> int:
         print(f"\n# {name} {gtype}: {s.title}, {specs.parameter_count(s) / 1e9:.2f} B parameters")
         gguf = Path(f"<models>/{name}/{name}-{gtype}.gguf")
         for p in plan["paths"]:
+            if p in plan["only"]:
+                print(f"# {p}: {', '.join(plan['only'][p])} only")
             if p == wl.LLAMA_CPP:
-                for g in wl.llama_server_groups(plan["workloads"]):
+                mine = wl.path_workloads(plan, p)
+                for g in wl.llama_server_groups(mine):
                     slots, ctx = wl.llama_server_slots(g)
                     print(" ".join(wl.llama_server(Path("llama-server"), gguf, port, slots, ctx)))
-                for c in wl.llama_bench(Path("llama-bench"), gguf, plan["workloads"]):
+                for c in wl.llama_bench(Path("llama-bench"), gguf, mine):
                     print(" ".join(c))
                 continue
             path = wl.PATHS[p]
@@ -177,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("run", help="the benchmark (GPU)")
     selection(p)
-    p.add_argument("--paths", help=f"comma-separated, of {', '.join([*wl.PATHS, wl.LLAMA_CPP])}")
+    p.add_argument("--paths", help=f"comma-separated, of {', '.join([*wl.PATHS, wl.LLAMA_CPP])}; "
+                                   "<path>:<workload>+<workload> runs only those of the "
+                                   "run's workloads on that path")
     p.add_argument("--workloads", help=f"comma-separated, of {', '.join(wl.WORKLOADS)}")
     p.add_argument("--models", default=str(MODELS))
     p.add_argument("--llama-cpp", default=str(LLAMA_CACHE / "build" / "bin"),

@@ -338,6 +338,25 @@ def test_quick_plan_is_the_subset():
         wl.plan(True, paths=["sglang"])
 
 
+def test_a_path_may_run_a_subset_of_the_workloads():
+    """``<path>:<w>+<w>``: that path measures only those, the others all;
+    the max model length stays the run's (one variable at a time)."""
+    q = wl.plan(True, paths=["triton-fp16", "flashmla-bf16:prefill-16k+single-4k"])
+    assert q["paths"] == ["triton-fp16", "flashmla-bf16"]
+    assert q["only"] == {"flashmla-bf16": ["prefill-16k", "single-4k"]}
+    assert [w.name for w in wl.path_workloads(q, "triton-fp16")] == [
+        "single-4k", "concurrent-32", "prefill-16k"]
+    # in the run's order, whatever the order asked
+    assert [w.name for w in wl.path_workloads(q, "flashmla-bf16")] == [
+        "single-4k", "prefill-16k"]
+    assert wl.max_model_len(q["workloads"]) == 17408
+    with pytest.raises(ValueError, match="path flashmla-bf16: workload 'single-32k' is not "
+                                         "one of the run's"):
+        wl.plan(True, paths=["flashmla-bf16:single-32k"])
+    with pytest.raises(ValueError, match="unknown path 'sglang'"):
+        wl.plan(True, paths=["sglang:single-4k"])
+
+
 GG, HF = Path("/m/glm5-tp8-q4_k_m.gguf"), Path("/m/hf")
 
 

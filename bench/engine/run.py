@@ -142,6 +142,8 @@ class Runner:
         env = environment()
         env["quick"] = bool(args.quick)
         env["workloads"] = [w.name for w in plan["workloads"]]
+        if plan.get("only"):
+            env["only"] = plan["only"]
         self.data = BenchData("engine", env)
         self.data.notes.append(
             "Paths: " + "; ".join(f"`{p}`: {wl.PATHS[p].about}" if p in wl.PATHS else
@@ -215,7 +217,7 @@ class Runner:
                         command=_shown(cmd, shown_env))
             self.data.row("servers", inputs, **srow)
             row = self.data.rows[-1]["figures"]
-            for w in self.plan["workloads"]:
+            for w in wl.path_workloads(self.plan, path):
                 if self.skip(f"{name} {gtype} {path} {w.name}"):
                     break
                 self.bench(w, port, hf, inputs, f"{name}-{gtype}-{path}")
@@ -232,7 +234,7 @@ class Runner:
     def llama(self, name: str, gtype: str, gguf: Path, hf: Path) -> None:
         bins = Path(self.args.llama_cpp)
         inputs = {"checkpoint": name, "type": gtype, "path": wl.LLAMA_CPP}
-        for group in wl.llama_server_groups(self.plan["workloads"]):
+        for group in wl.llama_server_groups(wl.path_workloads(self.plan, wl.LLAMA_CPP)):
             if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}"):
                 return
             slots, ctx = wl.llama_server_slots(group)
@@ -258,7 +260,8 @@ class Runner:
             finally:
                 server.stop()
                 self.save()
-        for cmd in wl.llama_bench(bins / "llama-bench", gguf, self.plan["workloads"]):
+        mine = wl.path_workloads(self.plan, wl.LLAMA_CPP)
+        for cmd in wl.llama_bench(bins / "llama-bench", gguf, mine):
             if self.skip(f"{name} {gtype} llama-bench"):
                 return
             print(f"[bench-engine] {_shown(cmd)}", flush=True)

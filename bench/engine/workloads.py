@@ -205,14 +205,33 @@ def llama_bench(binary: Path, gguf: Path, workloads: list[Workload]) -> list[lis
 
 def plan(quick: bool, files: list[tuple[str, str]] | None = None,
          paths: list[str] | None = None, workloads: list[str] | None = None) -> dict:
-    """What a run does, in order: per file, per path, the workloads."""
+    """What a run does, in order: per file, per path, the workloads. A path
+    given as ``<path>:<workload>+<workload>`` runs only those of the run's
+    workloads (``only``), so that paths of one run may measure different
+    subsets with one max model length."""
     files = files or (QUICK_FILES if quick else FULL_FILES)
-    paths = paths or (QUICK_PATHS if quick else FULL_PATHS)
     names = workloads or (QUICK_WORKLOADS if quick else list(WORKLOADS))
-    for p in paths:
-        if p != LLAMA_CPP and p not in PATHS:
-            raise ValueError(f"unknown path {p!r} (known: {', '.join([*PATHS, LLAMA_CPP])})")
     for n in names:
         if n not in WORKLOADS:
             raise ValueError(f"unknown workload {n!r} (known: {', '.join(WORKLOADS)})")
-    return {"files": files, "paths": paths, "workloads": [WORKLOADS[n] for n in names]}
+    only: dict[str, list[str]] = {}
+    picked = []
+    for item in paths or (QUICK_PATHS if quick else FULL_PATHS):
+        p, _, subset = item.partition(":")
+        if p != LLAMA_CPP and p not in PATHS:
+            raise ValueError(f"unknown path {p!r} (known: {', '.join([*PATHS, LLAMA_CPP])})")
+        if subset:
+            only[p] = subset.split("+")
+            for n in only[p]:
+                if n not in names:
+                    raise ValueError(f"path {p}: workload {n!r} is not one of the run's "
+                                     f"({', '.join(names)})")
+        picked.append(p)
+    return {"files": files, "paths": picked, "workloads": [WORKLOADS[n] for n in names],
+            "only": only}
+
+
+def path_workloads(plan: dict, path: str) -> list[Workload]:
+    """The run's workloads that ``path`` measures, in the run's order."""
+    only = plan.get("only", {}).get(path)
+    return [w for w in plan["workloads"] if only is None or w.name in only]
