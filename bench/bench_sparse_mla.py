@@ -4,7 +4,8 @@
 """Sparse MLA on one CUDA GPU: the Triton kernel (its own configs and the
 SM120 ones) side by side with FlashMLA sparse prefill, plus accuracy against
 the fp64 reference (tests/support), and beside them upstream vLLM's own
-Triton sparse MLA where a vLLM source tree holding it is given.
+Triton sparse MLA and vLLM PR 54929's Triton ports of FlashMLA's sparse ops
+where source trees holding them are given.
 
 Writes bench/results/<card>/sparse_mla.jsonl (or under --results); render
 the tables and the plot with bench/render.py. FlashMLA (SM90/SM100) comes
@@ -13,7 +14,15 @@ $FLASHMLA_SO or the installed wheel. Upstream's Triton kernel
 (``TRITON_MLA_SPARSE`` of vLLM's main branch, not in a release) comes from
 --vllm-triton-src or $VLLM_MAIN_SRC: a checkout of vLLM main, a folder
 holding its ``triton_sparse_mla_kernel.py``, or that file; bf16 only, as
-it is.
+it is. PR 54929's kernels (open, for SM12x) come from --pr54929-src or
+$VLLM_PR54929_SRC: a checkout of the PR, a folder holding its
+``sm12x_sparse_mla_attn.py`` and main's ``sparse_mla_kernels.py``, or the
+first file with the second beside it. Two rows: ``pr54929-fp8``, its
+flash_mla_with_kvcache over an fp8_ds_mla cache packed from the same bf16 KV
+(656 bytes a row; its error includes the fp8 quantization; the accuracy rows
+also give its error against the fp64 reference of the dequantized
+cache), and ``pr54929-bf16``, its flash_mla_sparse_fwd over the bf16 KV;
+both at the true head count (vLLM pads q to 64/128 heads for the fp8 op).
 
     PYTHONPATH=tests python bench/bench_sparse_mla.py [--flashmla-so PATH] [--sweep]
     PYTHONPATH=tests python bench/bench_sparse_mla.py --dtypes bf16 --heads 8 --sq 1 64
@@ -44,7 +53,14 @@ from benchdata import BenchData, environment, results_dir
 from harness import POOL, SCALE, ceilings, input_sets, n_rotate, timed
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK, work
-from support.peers import load_flashmla_sparse, load_vllm_triton_sparse_mla
+from support.peers import (
+    FP8_DS_MLA_BYTES,
+    load_flashmla_sparse,
+    load_pr54929_sparse_mla,
+    load_vllm_triton_sparse_mla,
+    pack_fp8_ds_mla,
+    unpack_fp8_ds_mla,
+)
 from support.sparse_mla_ref import ref_sparse_mla
 
 H_LIST = [8, 16, 32, 64, 128]
@@ -81,14 +97,21 @@ def family_call(cap, h_q, dtype, s_q, picks, one_cta=False):
     return cfg, ns
 
 
-def metrics(s_q, h_q, elt, ms, copy_bw, mm_rate):
+def metrics(s_q, h_q, elt, ms, copy_bw, mm_rate, kv_row_bytes=None):
     flops, nbytes = work(s_q, h_q, elt)
+    if kv_row_bytes is not None:  # gathered rows of another width (fp8_ds_mla)
+        nbytes += s_q * TOPK * (kv_row_bytes - D_QK * elt)
     t = ms * 1e-3
     roof = max(nbytes / copy_bw, flops / mm_rate)
     return flops / t / 1e12, nbytes / t / 1e12, roof / t
 
 
-def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None):
+def ratio(res, peer, name):
+    """How many times faster ``name`` ran than ``peer`` (None without it)."""
+    return res[peer] / res[name] if peer in res and name != peer else None
+
+
+def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None, pr=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     cap = torch.cuda.get_device_capability()
     pools = {
@@ -99,6 +122,7 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None):
         dtype = DTYPES[dname]
         kv = pools[dname]
         elt = kv.element_size()
+        cache = pack_fp8_ds_mla(kv) if pr is not None and dtype == torch.bfloat16 else None
         for h_q in args.heads:
             for s_q in args.sq:
                 sets = input_sets(s_q, h_q, dtype, gen, n_rotate(s_q))
@@ -128,13 +152,13 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None):
                     )
                 if vt is not None and dtype == torch.bfloat16:
                     res["vllm-triton"] = timed(lambda q, i: vt(q, kv, i, SCALE), sets)
+                if cache is not None:
+                    res["pr54929-fp8"] = timed(lambda q, i: pr.fp8(q, cache, i, SCALE), sets)
+                    res["pr54929-bf16"] = timed(lambda q, i: pr.bf16(q, kv, i, SCALE), sets)
                 for name, ms in res.items():
-                    tf, tb, roof = metrics(s_q, h_q, elt, ms, copy_bw, mm_rate)
-                    ratio = (
-                        res["flashmla"] / ms
-                        if "flashmla" in res and name != "flashmla"
-                        else None
-                    )
+                    row_bytes = FP8_DS_MLA_BYTES if name == "pr54929-fp8" else None
+                    tf, tb, roof = metrics(s_q, h_q, elt, ms, copy_bw, mm_rate, row_bytes)
+                    x_fm, x_pr = ratio(res, "flashmla", name), ratio(res, "pr54929-fp8", name)
                     data.row(
                         "timings",
                         {"dtype": dname, "h_q": h_q, "s_q": s_q, "kernel": name},
@@ -142,17 +166,16 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None):
                         tflops=tf,
                         gathered_tbps=tb,
                         x_roofline=roof,
-                        x_flashmla=ratio,
-                        x_vllm_triton=(
-                            res["vllm-triton"] / ms
-                            if "vllm-triton" in res and name != "vllm-triton"
-                            else None
-                        ),
+                        x_flashmla=x_fm,
+                        x_vllm_triton=ratio(res, "vllm-triton", name),
+                        x_pr54929_fp8=x_pr,
+                        x_pr54929_bf16=ratio(res, "pr54929-bf16", name),
                     )
                     print(
                         f"{dname} h{h_q:>3} s_q{s_q:>5} {name:<18} {ms * 1e3:9.1f} us "
                         f"{tf:6.1f} TF/s {tb:5.2f} TB/s roof {roof:5.2f}"
-                        + (f" x{ratio:.2f} FlashMLA" if ratio else ""),
+                        + (f" x{x_fm:.2f} FlashMLA" if x_fm else "")
+                        + (f" x{x_pr:.2f} PR54929-fp8" if x_pr else ""),
                         flush=True,
                     )
                 del sets
@@ -280,11 +303,12 @@ def check_picks(data, picks):
                 print("pick", major, bkt, tuple(cfg), dname, h_q, f"{err:.2e}", ok, flush=True)
 
 
-def run_accuracy(data, op, dtypes, heads, vt=None):
+def run_accuracy(data, op, dtypes, heads, vt=None, pr=None):
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dname in dtypes:
         dtype = DTYPES[dname]
         kv = torch.randn(65536, 1, D_QK, device="cuda", generator=gen).to(dtype)
+        cache = pack_fp8_ds_mla(kv) if pr is not None and dtype == torch.bfloat16 else None
         for h_q in heads:
             for s_q in [1, 4, 1024]:
                 q = torch.randn(s_q, h_q, D_QK, device="cuda", generator=gen).to(dtype)
@@ -306,6 +330,19 @@ def run_accuracy(data, op, dtypes, heads, vt=None):
                     if vt is not None and dtype == torch.bfloat16 and ns is None:
                         vo = vt(q, kv, idx, SCALE)
                         verr = ((vo.double() - r_out).norm() / rnorm).item()
+                    perr = dict.fromkeys(("pr54929_fp8_rel_err", "pr54929_fp8_kernel_rel_err",
+                                          "pr54929_bf16_rel_err"))
+                    if cache is not None and ns is None:
+                        # fp8: against the bf16 KV's reference (quantization
+                        # included) and the dequantized cache's (kernel alone)
+                        po = pr.fp8(q, cache, idx, SCALE).double()
+                        r_deq = ref_sparse_mla(q, unpack_fp8_ds_mla(cache), idx, SCALE)[0]
+                        bo = pr.bf16(q, kv, idx, SCALE).double()
+                        perr = dict(
+                            pr54929_fp8_rel_err=((po - r_out).norm() / rnorm).item(),
+                            pr54929_fp8_kernel_rel_err=((po - r_deq).norm()
+                                                        / r_deq.norm()).item(),
+                            pr54929_bf16_rel_err=((bo - r_out).norm() / rnorm).item())
                     path = "auto" if ns is None else "one-pass"
                     data.row(
                         "accuracy",
@@ -314,8 +351,10 @@ def run_accuracy(data, op, dtypes, heads, vt=None):
                         lse_max_abs_err=lerr,
                         flashmla_rel_err=ferr,
                         vllm_triton_rel_err=verr,
+                        **perr,
                     )
-                    print(dname, h_q, s_q, path, f"{err:.2e} {lerr:.1e}", ferr, flush=True)
+                    print(dname, h_q, s_q, path, f"{err:.2e} {lerr:.1e}", ferr, verr,
+                          {k: f"{v:.2e}" for k, v in perr.items() if v is not None}, flush=True)
 
 
 def probe_empty_row(op):
@@ -348,6 +387,11 @@ def parse_args():
                     help="vLLM main checkout (or a folder holding, or the file "
                          "triton_sparse_mla_kernel.py) for upstream's Triton sparse MLA "
                          "(else $VLLM_MAIN_SRC)")
+    ap.add_argument("--pr54929-src", default=None,
+                    help="vLLM checkout of PR 54929 (or a folder holding its "
+                         "sm12x_sparse_mla_attn.py and main's sparse_mla_kernels.py, or the "
+                         "first file with the second beside it) for its Triton sparse MLA "
+                         "(else $VLLM_PR54929_SRC)")
     ap.add_argument("--results", default=None,
                     help="results root (default bench/results); data go to "
                          "<root>/<card>/sparse_mla.jsonl")
@@ -397,10 +441,15 @@ def main():
         vt, why = load_vllm_triton_sparse_mla(args.vllm_triton_src)
         print("vLLM's Triton sparse MLA:", "loaded" if vt else why, flush=True)
         data.figures["vllm_triton"] = f"loaded, sha256 {vt.sha256}" if vt else why
+    pr = None
+    if not args.warm_only:
+        pr, why = load_pr54929_sparse_mla(args.pr54929_src)
+        print("PR 54929's Triton sparse MLA:", "loaded" if pr else why, flush=True)
+        data.figures["pr54929"] = f"loaded, sha256 {json.dumps(pr.sha256)}" if pr else why
     if op is not None:
         data.figures["empty_row_probe"] = probe_empty_row(op)
     if not (args.no_accuracy or args.warm_only):
-        run_accuracy(data, op, args.dtypes, args.heads, vt)
+        run_accuracy(data, op, args.dtypes, args.heads, vt, pr)
 
     copy_bw, mm_rate = (1.0, 1.0) if args.warm_only else ceilings()
     data.figures.update(copy_tbps=copy_bw / 1e12, matmul_tflops=mm_rate / 1e12)
@@ -423,7 +472,7 @@ def main():
         data.figures["prefill_picks"] = {f"{m},{b}": list(c) for (m, b), c in sorted(picks.items())}
         print("prefill picks:", picks, flush=True)
     if not args.no_bench:
-        run_bench(data, args, op, copy_bw, mm_rate, {} if args.warm_only else picks, vt)
+        run_bench(data, args, op, copy_bw, mm_rate, {} if args.warm_only else picks, vt, pr)
     if args.warm_only:
         return
     path = data.write(results_dir(env["card"], args.results))

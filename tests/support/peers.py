@@ -2,10 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The peer kernels the series is compared with: FlashMLA sparse prefill
 and DeepGEMM's MQA logits as the pinned wheel ships them (SM90/SM100
-only), and upstream vLLM's own pure-Triton sparse MLA from a vLLM source
-tree (``TRITON_MLA_SPARSE`` on vLLM's main branch, in no release yet). Each
-loader returns ``(peer, None)`` or ``(None, why)``, so a test can skip and a
-benchmark go on with the reason."""
+only), upstream vLLM's own pure-Triton sparse MLA from a vLLM source tree
+(``TRITON_MLA_SPARSE`` on vLLM's main branch, in no release yet), and the
+Triton ports of FlashMLA's sparse ops of vLLM PR 54929 (open) with the
+``fp8_ds_mla`` cache they read. Each loader returns ``(peer, None)`` or
+``(None, why)``, so a test can skip and a benchmark go on with the reason."""
 
 from __future__ import annotations
 
@@ -138,13 +139,14 @@ _SHIMS = {
 
 
 def import_with_shims(path: str, name: str, shims: dict[str, str]):
-    """The module at ``path`` imported as ``name``, each import line of
-    ``shims`` replaced by its stand-in (written next to a copy in a
-    temporary folder: Triton reads a kernel's source from its file). A
-    missing line is an error naming it: another version of the file."""
+    """The module at ``path`` imported as ``name``, each import of ``shims``
+    (whole lines, one or several) replaced by its stand-in (written next to
+    a copy in a temporary folder: Triton reads a kernel's source from its
+    file). A missing import is an error naming it: another version of the
+    file."""
     with open(path) as f:
         text = f.read()
-    missing = [line for line in shims if line not in text.splitlines()]
+    missing = [lines for lines in shims if f"\n{lines}\n" not in f"\n{text}\n"]
     if missing:
         raise ImportError(f"{path}: expected import line(s) not found (another version?): "
                           + "; ".join(missing))
@@ -157,6 +159,26 @@ def import_with_shims(path: str, name: str, shims: dict[str, str]):
     return _exec_module(name, importlib.util.spec_from_file_location(name, copy))
 
 
+def _find_file(what: str, rel: str, src: str) -> tuple[str | None, str | None]:
+    """(path, None) or (None, why): ``rel`` in ``src``, a vLLM source tree
+    or a folder holding the file by its name, or ``src`` itself if it is
+    that file."""
+    if os.path.isdir(src):
+        found = [p for p in (os.path.join(src, rel), os.path.join(src, os.path.basename(rel)))
+                 if os.path.isfile(p)]
+        if not found:
+            return None, f"{what}: {os.path.join(src, rel)} not found"
+        return found[0], None
+    if os.path.isfile(src) and os.path.basename(src) == os.path.basename(rel):
+        return src, None
+    return None, f"{what}: {src} is neither a folder nor {os.path.basename(rel)}"
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def _load_vllm_main(what: str, rel: str, src: str | None):
     """(module, sha256 of its file, None) or (None, None, why): ``rel`` from
     ``src`` (a vLLM checkout of main, a folder holding the file by its name,
@@ -167,23 +189,15 @@ def _load_vllm_main(what: str, rel: str, src: str | None):
     if not src:
         return None, None, (f"{what}: no source given (a vLLM checkout of main, or a folder "
                             f"holding its {rel}, in VLLM_MAIN_SRC)")
-    if os.path.isdir(src):
-        found = [p for p in (os.path.join(src, rel), os.path.join(src, os.path.basename(rel)))
-                 if os.path.isfile(p)]
-        if not found:
-            return None, None, f"{what}: {os.path.join(src, rel)} not found"
-        path = found[0]
-    elif os.path.isfile(src) and os.path.basename(src) == os.path.basename(rel):
-        path = src
-    else:
-        return None, None, f"{what}: {src} is neither a folder nor {os.path.basename(rel)}"
+    path, why = _find_file(what, rel, src)
+    if path is None:
+        return None, None, why
     name = "vllm_main_" + os.path.basename(rel)[:-3]
     try:
         module = import_with_shims(path, name, _SHIMS[rel])
     except (ImportError, SyntaxError) as e:
         return None, None, f"{what} not loadable from {path}: {e}"
-    with open(path, "rb") as f:
-        return module, hashlib.sha256(f.read()).hexdigest(), None
+    return module, _sha256(path), None
 
 
 def load_vllm_triton_sparse_mla(src: str | None = None) -> tuple[Callable | None, str | None]:
@@ -232,4 +246,127 @@ def load_vllm_triton_mqa_logits(src: str | None = None) -> tuple[Any | None, str
         def paged(q, cache, weights, context_lens, block_tables, max_len):
             return paged(q, cache.unsqueeze(2), weights, context_lens, block_tables, max_len)
 
+    return Peer, None
+
+
+# fp8_ds_mla, DeepSeek V3.2's KV cache entry as vLLM's concat_and_cache_mla
+# writes it (kv_cache_dtype "fp8_ds_mla") and FlashMLA's sparse decode reads
+# it, 656 bytes a token: [0, 512) the NoPE values in fp8 e4m3, each tile of
+# 128 divided by its scale (round to nearest, saturated); [512, 528) the 4
+# tile scales, fp32 max(amax / 448, FLT_MIN); [528, 656) the 64 RoPE values,
+# bf16 as they are.
+FP8_DS_MLA_BYTES = 656
+_NOPE, _ROPE, _TILE, _FP8_MAX = 512, 64, 128, 448.0
+_ROPE_AT = _NOPE + 4 * (_NOPE // _TILE)  # 528, after the fp32 scales
+
+
+def pack_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
+    """``[rows, 656]`` uint8 fp8_ds_mla entries of bf16 ``kv`` ``[rows, 1,
+    576]`` (or ``[rows, 576]``)."""
+    if kv.dtype != torch.bfloat16 or kv.shape[-1] != _NOPE + _ROPE:
+        raise ValueError(f"pack_fp8_ds_mla: bf16 [rows, (1,) 576] expected, found "
+                         f"{kv.dtype} {tuple(kv.shape)}")
+    rows = kv.shape[0]
+    x = kv.reshape(rows, _NOPE + _ROPE)
+    nope = x[:, :_NOPE].float().view(rows, _NOPE // _TILE, _TILE)
+    scale = (nope.abs().amax(-1) / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q8 = (nope / scale[..., None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.cat([q8.view(torch.uint8).view(rows, _NOPE), scale.view(torch.uint8),
+                      x[:, _NOPE:].contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack_fp8_ds_mla(cache: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows, 1, 576]``: what fp8_ds_mla entries ``[rows, 656]`` hold
+    (each fp8 value times its tile's scale, then the RoPE values)."""
+    rows = cache.shape[0]
+    nope = cache[:, :_NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    scale = cache[:, _NOPE:_ROPE_AT].contiguous().view(torch.float32)
+    rope = cache[:, _ROPE_AT:].contiguous().view(torch.bfloat16).float()
+    nope = (nope.view(rows, -1, _TILE) * scale[..., None]).view(rows, _NOPE)
+    return torch.cat([nope, rope], dim=1)[:, None]
+
+
+# vLLM PR 54929 (open): Triton ports of FlashMLA's two sparse ops for SM12x,
+# flash_mla_sparse_fwd (bf16 KV) and flash_mla_with_kvcache (fp8_ds_mla KV),
+# in one file that takes two kernels from main's sparse_mla_kernels.py (the
+# DeepSeek-V4 SM12x path, in no release yet). What 0.23 lacks: that file, and
+# its knob module, stood in for by the same reading of the same variable.
+PR54929_ATTN = "vllm/v1/attention/backends/mla/sm12x_sparse_mla_attn.py"
+PR54929_KERNELS = "vllm/v1/attention/backends/mla/sparse_mla_kernels.py"
+_PR54929_KERNELS_MODULE = "vllm_pr54929_sparse_mla_kernels"
+_PR54929_SHIMS = {
+    PR54929_ATTN: {
+        "from vllm.v1.attention.backends.mla.sparse_mla_kernels import (":
+            f"from {_PR54929_KERNELS_MODULE} import ("},
+    PR54929_KERNELS: {
+        ("from vllm.v1.attention.backends.mla.sparse_mla_env import (\n"
+         "    triton_sparse_mla_head_block_size,\n"
+         ")"): (
+            "def triton_sparse_mla_head_block_size():\n"
+            "    import os\n"
+            "    value = os.environ.get('VLLM_TRITON_MLA_SPARSE_HEAD_BLOCK_SIZE')\n"
+            "    return int(value) if value in ('1', '2', '4') else None"),
+    },
+}
+
+
+def load_pr54929_sparse_mla(src: str | None = None) -> tuple[Any | None, str | None]:
+    """PR 54929's Triton sparse MLA from ``src`` (a vLLM checkout of the PR,
+    a folder holding its sm12x_sparse_mla_attn.py and main's
+    sparse_mla_kernels.py, or the first file with the second beside it),
+    else from ``$VLLM_PR54929_SRC``. q ``[T, H, 576]`` bf16 and indices
+    ``[T, 1, topk]`` int32 into the KV rows; out ``[T, H, 512]`` bf16:
+
+    - ``.fp8(q, cache, indices, sm_scale)``: its flash_mla_with_kvcache (the
+      fp8 decode op, which vLLM also runs prefill tokens through when heads
+      are few) over fp8_ds_mla ``cache`` ``[rows, 656]`` (pack_fp8_ds_mla),
+      each token a request of one query, as vLLM's decode calls it;
+    - ``.bf16(q, kv, indices, sm_scale)``: its flash_mla_sparse_fwd (the
+      bf16 prefill op) over ``kv`` ``[rows, 1, 576]``;
+
+    ``.module``: the PR's file loaded; ``.sha256``: {file name: sha256}."""
+    what = "PR 54929's Triton sparse MLA"
+    if not torch.cuda.is_available():
+        return None, f"{what} needs a CUDA GPU"
+    src = src or os.environ.get("VLLM_PR54929_SRC")
+    if not src:
+        return None, (f"{what}: no source given (a vLLM checkout of the PR, or a folder "
+                      f"holding its {os.path.basename(PR54929_ATTN)} and main's "
+                      f"{os.path.basename(PR54929_KERNELS)}, in VLLM_PR54929_SRC)")
+    attn, why = _find_file(what, PR54929_ATTN, src)
+    if attn is None:
+        return None, why
+    # main's kernels: from the same tree, or beside the PR's file
+    tree = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(attn))
+    kernels, why = _find_file(what, PR54929_KERNELS, tree)
+    if kernels is None:
+        return None, why
+    # the kernels first: the PR's file imports them by the name given here
+    for rel, path, name in ((PR54929_KERNELS, kernels, _PR54929_KERNELS_MODULE),
+                            (PR54929_ATTN, attn, "vllm_pr54929_sm12x_sparse_mla_attn")):
+        try:
+            module = import_with_shims(path, name, _PR54929_SHIMS[rel])
+        except (ImportError, SyntaxError) as e:
+            return None, f"{what} not loadable from {path}: {e}"
+    try:
+        fwd, decode = module.flash_mla_sparse_fwd_triton, module.flash_mla_with_kvcache_triton
+    except AttributeError as e:
+        return None, f"{what}: {e}"
+
+    class Peer:
+        sha256 = {os.path.basename(p): _sha256(p) for p in (attn, kernels)}
+
+        @staticmethod
+        def fp8(q, cache, indices, sm_scale):
+            # [b, s_q, h, d] q and [b, s_q, topk] slot ids with b = T, s_q = 1;
+            # the cache as blocks of one token (the op flattens it to slots).
+            out, _ = decode(q[:, None], cache[:, None, None], None, head_dim_v=_NOPE,
+                            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=indices)
+            return out[:, 0]
+
+        @staticmethod
+        def bf16(q, kv, indices, sm_scale):
+            return fwd(q, kv, indices, sm_scale, _NOPE)[0]
+
+    Peer.module = module
     return Peer, None
