@@ -39,7 +39,8 @@ def _kernel(x_ptr, BLOCK: tl.constexpr):  # Triton reads its source from the fil
 
 def triton_sparse_mla_attention(q, kv, indices, sm_scale, num_kv_splits=None,
                                 sm_count=None):
-    assert "tl.store" in inspect.getsource(_kernel.fn)
+    # a JITFunction (.fn), or the function itself under vllm.triton_utils' placeholder
+    assert "tl.store" in inspect.getsource(getattr(_kernel, "fn", _kernel))
     return {"scale": sm_scale * LOG2E, "loge2": LOGE2, "sm_count": sm_count,
             "units": num_compute_units(0), "tl": tl.__name__, "triton": triton.__name__}
 '''
@@ -177,7 +178,8 @@ def _kernel(x_ptr, BLOCK: tl.constexpr):  # Triton reads its source from the fil
 
 
 def accumulate_indexed_sparse_mla_attention_chunk():
-    assert "tl.store" in inspect.getsource(_kernel.fn)
+    # a JITFunction (.fn), or the function itself under vllm.triton_utils' placeholder
+    assert "tl.store" in inspect.getsource(getattr(_kernel, "fn", _kernel))
     return triton_sparse_mla_head_block_size(), next_power_of_2(5)
 
 
