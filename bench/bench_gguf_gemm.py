@@ -205,14 +205,16 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / max(b.float().abs().max().item(), 1e-30)
 
 
-def dequant_module():
-    """The series' Triton dequantizer of the float paths, None where the
+def series_module(name: str):
+    """The series' module ``name`` of vLLM's quantization layers (the Triton
+    dequantizer gguf_dequant, the fused MoE gguf_fused_moe), None where the
     installed wheel lacks it."""
+    import importlib
+
     try:
-        from vllm.model_executor.layers.quantization import gguf_dequant
+        return importlib.import_module(f"vllm.model_executor.layers.quantization.{name}")
     except ImportError:
         return None
-    return gguf_dequant
 
 
 def _triton_dequant_layer(tdq, q13, t13, q2, t2):
@@ -223,15 +225,6 @@ def _triton_dequant_layer(tdq, q13, t13, q2, t2):
 # the fused MoE's tiles: (BLOCK_M, BLOCK_N, warps)
 FUSED_TILES = [(16, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 4),
                (128, 64, 8), (128, 32, 8)]
-
-
-def fused_module():
-    """The series' fused GGUF MoE, None where the installed wheel lacks it."""
-    try:
-        from vllm.model_executor.layers.quantization import gguf_fused_moe
-    except ImportError:
-        return None
-    return gguf_fused_moe
 
 
 def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
@@ -264,8 +257,8 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
-    fmoe = fused_module()
-    tdq = dequant_module()
+    fmoe = series_module("gguf_fused_moe")
+    tdq = series_module("gguf_dequant")
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -342,7 +335,7 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
 
     switch = has_dequant_switch()
-    tdq = dequant_module()
+    tdq = series_module("gguf_dequant")
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:

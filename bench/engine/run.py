@@ -234,7 +234,8 @@ class Runner:
     def llama(self, name: str, gtype: str, gguf: Path, hf: Path) -> None:
         bins = Path(self.args.llama_cpp)
         inputs = {"checkpoint": name, "type": gtype, "path": wl.LLAMA_CPP}
-        for group in wl.llama_server_groups(wl.path_workloads(self.plan, wl.LLAMA_CPP)):
+        mine = wl.path_workloads(self.plan, wl.LLAMA_CPP)
+        for group in wl.llama_server_groups(mine):
             if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}"):
                 return
             slots, ctx = wl.llama_server_slots(group)
@@ -260,7 +261,6 @@ class Runner:
             finally:
                 server.stop()
                 self.save()
-        mine = wl.path_workloads(self.plan, wl.LLAMA_CPP)
         for cmd in wl.llama_bench(bins / "llama-bench", gguf, mine):
             if self.skip(f"{name} {gtype} llama-bench"):
                 return
