@@ -112,7 +112,9 @@ fi
 
 if [ "$stage" != prepare ]; then
   paths=()
-  if [ "$llama" = 0 ]; then
+  given=0  # the caller's own --paths (after --) is the only one the record names
+  for a in "${run_args[@]}"; do case "$a" in --paths|--paths=*) given=1 ;; esac; done
+  if [ "$llama" = 0 ] && [ "$given" = 0 ]; then
     if [ "$quick" = 1 ]; then paths=(--paths triton-fp16,flashmla-bf16)
     else paths=(--paths triton-fp16,auto-sm120,flashmla-bf16); fi
   fi

@@ -3,7 +3,8 @@
 minutes, on 127.0.0.1 (a GPU machine).
 
     python scripts/soak.py --gguf FILE --hf DIR --out DIR [--minutes 5]
-        [--max-concurrency 128] [-- extra `vllm serve` arguments]
+        [--max-concurrency 128] [--max-model-len 2048] [--probe-len 200]
+        [-- extra `vllm serve` arguments]
 
 Starts `vllm serve FILE` as the README says (--dtype float16, chunked
 prefill and prefix caching on, a KV cache small enough that the load
@@ -18,14 +19,17 @@ go to `vllm serve` unchanged (e.g. --tensor-parallel-size 2).
 
 It passes when every request ends in a completion or a 4xx whose message
 says what was wrong (no 5xx, no request past its deadline); the server
-answers afterwards; the probe's tokens are identical every time; no
-log-probability is NaN or infinite; the server's GPU memory (its
+answers afterwards; the probe's tokens are identical every time (but
+where they part at a near-tie: the first probe's runner-up, within twice
+the probes' own spread of log-probabilities, itself at most
+PROBE_NOISE_CAP nats); no log-probability is NaN or infinite; the server's GPU memory (its
 processes', or the whole GPU's where the driver does not list them) and
 resident memory do not grow over the last half; no stall (no token while requests
 are in flight) is longer than --stall-s; the load preempted requests; and
 the server log holds no traceback. Output in --out: soak.jsonl (one line
 per minute, then the verdict) and soak.md (rendered from it), the server
-log. Exit status 1 when it fails.
+log, every request's outcome (outcomes.jsonl) and every probe's tokens,
+log-probabilities and margins (probes.jsonl). Exit status 1 when it fails.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ DEADLINE_S = 120.0
 GPU_SLACK_MIB = 256
 RSS_SLACK = 0.10
 PROBE_TOKENS = 32
+# The probe's tokens may part at a near-tie (vLLM's batches of other sizes
+# round differently): the runner-up within twice the probe's own spread of
+# log-probabilities where its tokens agree. That spread past this is a fault
+# in itself.
+PROBE_NOISE_CAP = 0.1
 
 
 @dataclass
@@ -80,12 +89,23 @@ class Sample:
 
 
 @dataclass
+class Probe:
+    """One greedy probe: its tokens, their log-probabilities, and at each
+    step the runner-up token and how far behind it was (nats)."""
+
+    tokens: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    runner_up: list[int | None] = field(default_factory=list)
+    margins: list[float | None] = field(default_factory=list)
+
+
+@dataclass
 class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     events: list[float] = field(default_factory=list)  # token arrivals
     busy: list[tuple[float, float]] = field(default_factory=list)  # in-flight spans
-    probes: list[list[int]] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
     preemptions: float | None = None
     alive_after: bool = False
     log_tracebacks: list[str] = field(default_factory=list)
@@ -264,15 +284,30 @@ async def send(session, run: Run, target: Target, kind: str, path: str, body,
     return out
 
 
-async def probe(session, target: Target, prompt: list[int]) -> list[int]:
-    """The fixed greedy probe's tokens."""
+async def probe(session, target: Target, prompt: list[int]) -> Probe:
+    """The fixed greedy probe, with its top two log-probabilities a step."""
     body = {"model": target.model, "prompt": prompt, "max_tokens": PROBE_TOKENS,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True}
     async with session.post(target.base + "/v1/completions", json=body) as resp:
         payload = await resp.json(content_type=None)
         if resp.status != 200:
             raise RuntimeError(f"probe: HTTP {resp.status}: {payload}")
-        return list(payload["choices"][0]["token_ids"])
+        return parse_probe(payload["choices"][0])
+
+
+def parse_probe(choice: dict) -> Probe:
+    """A completion choice as a Probe (top_logprobs keyed "token_id:N")."""
+    lp = choice.get("logprobs") or {}
+    out = Probe(list(choice["token_ids"]),
+                [float(v) for v in lp.get("token_logprobs") or []])
+    for top in lp.get("top_logprobs") or []:
+        ranked = sorted(((float(v), int(k.rsplit(":", 1)[1])) for k, v in (top or {}).items()),
+                        reverse=True)
+        two = len(ranked) > 1
+        out.runner_up.append(ranked[1][1] if two else None)
+        out.margins.append(ranked[0][0] - ranked[1][0] if two else None)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -288,11 +323,12 @@ def concurrency_at(t: float, duration: float, max_concurrency: int) -> int:
 
 
 async def drive(target: Target, duration: float, max_concurrency: int, seed: int,
-                sample, run: Run) -> None:
+                sample, run: Run, probe_len: int = 200) -> None:
     import aiohttp
 
     rng = random.Random(seed)
-    probe_prompt = _prompt(random.Random(2026), target, min(200, target.max_model_len // 2))
+    probe_len = max(1, min(probe_len, target.max_model_len - PROBE_TOKENS))
+    probe_prompt = _prompt(random.Random(2026), target, probe_len)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         run.probes.append(await probe(session, target, probe_prompt))
@@ -389,14 +425,17 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
             failures.append(f"{len(bad)} requests {what}: {kinds}; first: {first}")
     if not run.alive_after:
         failures.append("the server did not answer /health after the load")
-    distinct = {tuple(p) for p in run.probes}
-    if len(distinct) > 1:
-        first = run.probes[0]
-        other = next(p for p in run.probes if p != first)
-        at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b),
-                  min(len(first), len(other)))
+    distinct = {tuple(p.tokens) for p in run.probes}
+    noise, flips = judge_probes(run.probes)
+    if noise > PROBE_NOISE_CAP:
+        failures.append(f"the greedy probe's log-probabilities moved by {noise:.3f} nats "
+                        f"where its tokens agree (more than {PROBE_NOISE_CAP})")
+    changed = [f for f in flips if not f["near_tie"]]
+    if changed:
         failures.append(f"the greedy probe changed: {len(distinct)} different outputs over "
-                        f"{len(run.probes)} probes; first difference at token {at}")
+                        f"{len(run.probes)} probes; first difference at token "
+                        f"{changed[0]['token']} (margin {changed[0]['margin']} nats, "
+                        f"near-tie bar {2 * noise:.4f})")
     gpu = [s.gpu_mib for s in run.samples if s.gpu_mib is not None]
     rss = [s.rss_mib for s in run.samples if s.rss_mib is not None]
     if gpu and growth(gpu) > GPU_SLACK_MIB:
@@ -423,6 +462,8 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
         "failed": len(failed),
         "probes": len(run.probes),
         "probe_outputs": len(distinct),
+        "probe_noise_nats": round(noise, 4),
+        "probe_near_ties": [(f["token"], f["margin"]) for f in flips if f["near_tie"]],
         "max_stall_s": round(stall, 2),
         "gpu_mib_growth": round(growth(gpu), 1) if gpu else None,
         "gpu_measure": run.gpu_measure,
@@ -431,6 +472,34 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
         "tracebacks": len(run.log_tracebacks),
     }
     return summary, failures
+
+
+def judge_probes(probes: list[Probe]) -> tuple[float, list[dict]]:
+    """(spread, partings): the largest |log-probability difference| from the
+    first probe where the tokens agree, and for each later probe whose tokens
+    part from the first's, where, the first's margin there, and whether that
+    is a near-tie (the token taken is the first's runner-up, within twice the
+    spread)."""
+    if not probes:
+        return 0.0, []
+    ref, noise, parted = probes[0], 0.0, []
+    for p in probes[1:]:
+        n = min(len(ref.tokens), len(p.tokens))
+        at = next((i for i in range(n) if ref.tokens[i] != p.tokens[i]),
+                  None if len(ref.tokens) == len(p.tokens) else n)
+        agree = range(at if at is not None else n)
+        noise = max([noise, *(abs(p.logprobs[i] - ref.logprobs[i]) for i in agree
+                              if i < min(len(p.logprobs), len(ref.logprobs)))])
+        if at is not None:
+            parted.append((at, p))
+    flips = []
+    for at, p in parted:
+        margin = ref.margins[at] if at < len(ref.margins) else None
+        near = (margin is not None and at < len(p.tokens) and at < len(ref.runner_up)
+                and p.tokens[at] == ref.runner_up[at] and margin <= 2 * noise)
+        flips.append({"token": at, "margin": None if margin is None else round(margin, 4),
+                      "near_tie": near})
+    return noise, flips
 
 
 def tracebacks(log: str) -> list[str]:
@@ -565,6 +634,9 @@ def main() -> int:
     ap.add_argument("--kv-cache-tokens", type=int, default=16384,
                     help="KV cache size in tokens: small, so that the load preempts")
     ap.add_argument("--stall-s", type=float, default=5.0)
+    ap.add_argument("--probe-len", type=int, default=200,
+                    help="prompt tokens of the greedy probe (past index_topk: the "
+                         "indexer's selection is in play)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("serve_args", nargs="*", help="after --: more `vllm serve` arguments")
     args = ap.parse_args()
@@ -610,7 +682,7 @@ def main() -> int:
               flush=True)
         t0 = time.monotonic()
         asyncio.run(drive(target, args.minutes * 60, args.max_concurrency, args.seed,
-                          lambda: _sample(server.pid, run), run))
+                          lambda: _sample(server.pid, run), run, args.probe_len))
         run.preemptions = _metric(target.base, "vllm:num_preemptions_total")
         try:
             run.alive_after = requests.get(target.base + "/health", timeout=10).ok
@@ -633,6 +705,8 @@ def main() -> int:
     (args.out / "soak.md").write_text(render(rows))
     (args.out / "outcomes.jsonl").write_text(
         "".join(json.dumps(asdict(o)) + "\n" for o in run.outcomes))
+    (args.out / "probes.jsonl").write_text(
+        "".join(json.dumps(asdict(p)) + "\n" for p in run.probes))
     print(render(rows))
     return 0 if not failures else 1
 

@@ -22,6 +22,7 @@ can be checked without a GPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -636,3 +637,25 @@ def test_recorded_commands_name_no_machine_path():
     assert _shown(cmd) == ("python3 -m vllm.entrypoints.cli.main bench serve "
                            "--endpoint /v1/completions --tokenizer '…/m/hf' "
                            "--result-dir '<results>'")
+
+
+@pytest.mark.parametrize("extra, shown", [
+    ([], "--paths triton-fp16,flashmla-bf16"),
+    (["--", "--paths", "triton-fp16"], "--paths triton-fp16"),
+    (["--", "--paths=flashmla-bf16"], "--paths=flashmla-bf16"),
+])
+def test_run_script_passes_one_paths_argument(tmp_path, extra, shown):
+    """The record's command names the paths that ran: the caller's --paths
+    replaces the script's default, it is not added beside it."""
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "python"
+    fake.write_text('#!/bin/sh\necho "ARGS $*"\n')
+    fake.chmod(0o755)
+    r = subprocess.run([str(REPO / "scripts" / "run-bench-engine.sh"), "--quick", "--stage",
+                        "run", "--no-install", "--no-llama-cpp", *extra],
+                       env={**os.environ, "VENV": str(tmp_path)}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    run = next(line for line in r.stdout.splitlines()
+               if line.startswith("ARGS") and " run " in line)
+    assert run.count("--paths") == 1 and shown in run, run

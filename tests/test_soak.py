@@ -60,12 +60,25 @@ def _app(bug: str | None):
         if bug == "500" and body.get("n") == 3:
             return web.Response(status=500, text="Internal Server Error")
         greedy = body.get("temperature") == 0.0
-        if greedy and body.get("return_token_ids"):
+        probe = greedy and body.get("return_token_ids")
+        if probe:
             state["probes"] += 1
-        shift = 1 if bug == "probe" and state["probes"] > 2 else 0
+        later = probe and state["probes"] > 2
+        shift = 1 if bug == "probe" and later else 0
         tokens = [(sum(prompt) + i + shift) % VOCAB for i in range(max_tokens)]
         value = float("nan") if bug == "nan" and lp else -0.5
         logprobs = {"token_logprobs": [value] * len(tokens)} if lp else None
+        if probe and body.get("return_tokens_as_token_ids"):
+            # Step 5 is a near-tie (0.001 nats to the runner-up, token + 1);
+            # "tie" takes the runner-up there in later probes, whose
+            # log-probabilities move by 0.01 ("noisy": by 0.5).
+            moved = {"tie": 0.01, "noisy": 0.5}.get(bug, 0.0) if later else 0.0
+            margins = [0.001 if i == 5 else 1.0 for i in range(len(tokens))]
+            top = [{f"token_id:{t}": value + moved, f"token_id:{(t + 1) % VOCAB}":
+                    value + moved - m} for t, m in zip(tokens, margins)]
+            if bug == "tie" and later:
+                tokens[5] = (tokens[5] + 1) % VOCAB
+            logprobs = {"token_logprobs": [value + moved] * len(tokens), "top_logprobs": top}
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -132,6 +145,7 @@ def test_the_client_drives_every_kind_and_a_sound_server_passes():
     summary, failures = _soak(None)
     assert not failures, failures
     assert summary["probes"] >= 3 and summary["probe_outputs"] == 1
+    assert summary["probe_noise_nats"] == 0 and summary["probe_near_ties"] == []
     assert summary["rejected_4xx"] >= len(soak.bad_requests(soak.Target("", "", 1, 1)))
     assert summary["client_stops"] > 0 and summary["completed"] > 20
 
@@ -140,6 +154,7 @@ def test_the_client_drives_every_kind_and_a_sound_server_passes():
     ("500", "failed (5xx"),
     ("nan", "non-finite logprobs"),
     ("probe", "the greedy probe changed"),
+    ("noisy", "log-probabilities moved by 0.500 nats"),
 ])
 def test_a_broken_server_fails_the_soak(bug, expect):
     _, failures = _soak(bug)
@@ -160,7 +175,7 @@ def test_memory_growth_is_judged_on_the_last_half():
     assert soak.growth(level) == pytest.approx(10.0)
     assert soak.growth(leak) == pytest.approx(400.0)
     run = soak.Run(samples=[soak.Sample(i, g, 500.0, 1) for i, g in enumerate(leak)],
-                   probes=[[1]], preemptions=1.0, alive_after=True)
+                   probes=[soak.Probe([1])], preemptions=1.0, alive_after=True)
     _, failures = soak.verdict(run, 5.0)
     assert failures == ["GPU memory grew 400 MiB over the last half"]
 
@@ -169,7 +184,7 @@ def test_silent_4xx_dead_server_no_preemption_and_tracebacks_fail():
     log = ("INFO ok\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
            "    g()\nRuntimeError: CUDA error: an illegal memory access\nINFO after\n")
     run = soak.Run(outcomes=[soak.Outcome("bad", 0.0, 1.0, status=400, message="")],
-                   probes=[[1, 2], [1, 2]], alive_after=False,
+                   probes=[soak.Probe([1, 2]), soak.Probe([1, 2])], alive_after=False,
                    log_tracebacks=soak.tracebacks(log))
     _, failures = soak.verdict(run, 5.0)
     text = "\n".join(failures)
@@ -266,3 +281,42 @@ def test_a_tokenizer_without_a_chat_template_gets_no_chat_requests(tmp_path):
             "max_concurrency": 2, "command": "x", "chat": False, "summary": {},
             "failures": [], "passed": True}
     assert "no chat requests: the tokenizer has no chat template" in soak.render([head])
+
+
+def test_the_probe_may_part_at_a_near_tie_within_its_own_spread():
+    summary, failures = _soak("tie")
+    assert not failures, failures
+    assert summary["probe_outputs"] == 2 and summary["probe_noise_nats"] == 0.01
+    assert {t for t, _ in summary["probe_near_ties"]} == {5}
+
+
+def _probe(tokens, logprobs, runner_up, margins):
+    return soak.Probe(tokens, logprobs, runner_up, margins)
+
+
+@pytest.mark.parametrize("other, near", [
+    # the runner-up taken at a margin within twice the spread (0.02)
+    (_probe([1, 2, 9], [-0.1, -0.21, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), True),
+    # the same margin, but the token taken is not the runner-up
+    (_probe([1, 2, 8], [-0.1, -0.21, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), False),
+    # the runner-up, at a margin past twice the spread
+    (_probe([1, 2, 9], [-0.1, -0.2, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), False),
+    # shorter: parted where the first is longer, no margin to excuse it
+    (_probe([1, 2], [-0.1, -0.2], [5, 6], [1.0, 1.0]), False),
+])
+def test_judge_probes_excuses_only_a_near_tie(other, near):
+    ref = _probe([1, 2, 3], [-0.1, -0.2, -0.3], [5, 6, 9], [1.0, 1.0, 0.015])
+    noise, flips = soak.judge_probes([ref, ref, other])
+    assert len(flips) == 1 and flips[0]["near_tie"] is near
+    assert flips[0]["token"] == min(2, len(other.tokens))
+
+
+def test_parse_probe_reads_the_top_two_by_token_id():
+    choice = {"token_ids": [7, 3], "logprobs": {
+        "token_logprobs": [-0.2, -1.0],
+        "top_logprobs": [{"token_id:7": -0.2, "token_id:4": -0.7},
+                         {"token_id:3": -1.0}]}}
+    p = soak.parse_probe(choice)
+    assert p.tokens == [7, 3] and p.logprobs == [-0.2, -1.0]
+    assert p.runner_up == [4, None] and p.margins[1] is None
+    assert math.isclose(p.margins[0], 0.5)

@@ -40,6 +40,7 @@ GROUPS = {
     ("glm52", "q4_k_m"): [TRITON_FP16, TRITON_BF16],
     ("dsv32", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
     ("dsv32", "q8_0"): [TRITON_FP16, TRITON_BF16],
+    ("dsv32", "q4_k_m"): [TRITON_FP16],
     # The files users download, made by llama.cpp's own tools (models.TOOL_FILES):
     # K and IQ types (the IQ ones with the model's importance matrix), a
     # dynamic mixture (also as users start it), and a split set given by its
@@ -59,7 +60,11 @@ GROUPS = {
        for t in ("q2_k", "q3_k_m", "iq4_xs", "iq3_xxs", "iq2_xxs", "iq1_m", "q4_k_m-split")},
 }
 if os.environ.get("E2E_GROUPS"):  # e.g. "glm5:f16,dsv32:q8_0"
-    _wanted = set(os.environ["E2E_GROUPS"].split(","))
+    _wanted = set(filter(None, os.environ["E2E_GROUPS"].split(",")))
+    _unknown = sorted(_wanted - {f"{m}:{t}" for m, t in GROUPS})
+    if _unknown:  # a group left out without a word would read as one that passed
+        raise ValueError(f"E2E_GROUPS: no such group in tests/e2e/cases.py: "
+                         f"{', '.join(_unknown)}")
     GROUPS = {k: v for k, v in GROUPS.items() if f"{k[0]}:{k[1]}" in _wanted}
 # e.g. "triton-fp16,triton-fp16-mtp": only these setups, and the peer they are
 # held to

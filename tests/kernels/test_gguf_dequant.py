@@ -110,9 +110,11 @@ def test_dequantize_compiles_for_sm120_and_sm90(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_equals_ggml_on_the_gpu(qtype, dtype):
-    """At a TP-8 rank's expert shape: gguf-py's values, rounded once; vLLM's
-    ggml_dequantize within one unit in the last place of the dtype (it
-    rounds d * scale before the multiply where this kernel fuses them)."""
+    """At a TP-8 rank's expert shape: gguf-py's values, rounded once. vLLM's
+    ggml_dequantize decodes the same values, but multiplies in half
+    precision (in any output dtype; Q4_K's d * q - dmin * m cancels): it is
+    held to 2^-8 of the largest magnitude in each group of 32 values, which
+    a misread scale or nibble is far outside."""
     from vllm import _custom_ops as ops
 
     raw, values = random_blocks(qtype, (4, 512, 6144), torch.Generator().manual_seed(11))
@@ -127,4 +129,6 @@ def test_dequantize_equals_ggml_on_the_gpu(qtype, dtype):
     exact = values.to(dtype).double()
     ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((out - exact).abs() <= ulp).all()
-    assert ((out - ggml).abs() <= 2 * ulp).all()
+    assert torch.isfinite(ggml).all()
+    group = exact.abs().view(-1, 32).amax(dim=1, keepdim=True).expand(-1, 32)
+    assert ((ggml - exact).abs() <= 2.0**-8 * group.reshape(exact.shape) + ulp).all()
