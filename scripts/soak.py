@@ -4,7 +4,7 @@ minutes, on 127.0.0.1 (a GPU machine).
 
     python scripts/soak.py --gguf FILE --hf DIR --out DIR [--minutes 5]
         [--max-concurrency 128] [--max-model-len 2048] [--probe-len 200]
-        [-- extra `vllm serve` arguments]
+        [--peer-minutes 0] [-- extra `vllm serve` arguments]
 
 Starts `vllm serve FILE` as the README says (--dtype float16, chunked
 prefill and prefix caching on, a KV cache small enough that the load
@@ -21,8 +21,10 @@ It passes when every request ends in a completion or a 4xx whose message
 says what was wrong (no 5xx, no request past its deadline); the server
 answers afterwards; the probe's tokens are identical every time (but
 where they part at a near-tie: the first probe's runner-up, within twice
-the probes' own spread of log-probabilities, itself at most
-PROBE_NOISE_CAP nats); no log-probability is NaN or infinite; the server's GPU memory (its
+the probes' own spread of log-probabilities), and that spread is at most
+PROBE_NOISE_CAP nats, or with --peer-minutes PEER_FACTOR x the spread of
+upstream's path (FLASHMLA_SPARSE, bf16, vLLM's GGUF kernels) under the
+same load first, in --out/peer; no log-probability is NaN or infinite; the server's GPU memory (its
 processes', or the whole GPU's where the driver does not list them) and
 resident memory do not grow over the last half; no stall (no token while requests
 are in flight) is longer than --stall-s; the load preempted requests; and
@@ -46,7 +48,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # A request may take this long before it counts as hung (the longest
@@ -58,10 +60,19 @@ GPU_SLACK_MIB = 256
 RSS_SLACK = 0.10
 PROBE_TOKENS = 32
 # The probe's tokens may part at a near-tie (vLLM's batches of other sizes
-# round differently): the runner-up within twice the probe's own spread of
-# log-probabilities where its tokens agree. That spread past this is a fault
-# in itself.
+# round differently, and a rounding can flip a router's or the indexer's
+# choice): the runner-up within twice the probe's spread of log-probabilities
+# where its tokens agree. That spread past a cap is a fault in itself: this
+# one without a peer; with one (--peer-minutes), PEER_FACTOR x the spread of
+# upstream's path under the same load, at least PROBE_NOISE_FLOOR.
 PROBE_NOISE_CAP = 0.1
+PEER_FACTOR = 2.0
+PROBE_NOISE_FLOOR = 0.02
+# The peer: upstream's path as vLLM 0.23 runs it on the same file (its
+# attention, indexer and GGUF kernels), as the engine benchmark's
+# flashmla-bf16. Its arguments come after the soak's own, so they win.
+PEER_ARGS = ["--attention-backend", "FLASHMLA_SPARSE", "--dtype", "bfloat16"]
+PEER_ENV = {"VLLM_GGUF_KERNELS": "upstream"}
 
 
 @dataclass
@@ -411,7 +422,8 @@ def per_minute(run: Run, t0: float) -> list[dict]:
     return [rows[m] for m in sorted(rows)]
 
 
-def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
+def verdict(run: Run, stall_s: float,
+            probe_cap: float = PROBE_NOISE_CAP) -> tuple[dict, list[str]]:
     failures = []
     failed = [o for o in run.outcomes if o.error]
     silent = [o for o in run.outcomes if o.status is not None and 400 <= o.status < 500
@@ -426,16 +438,16 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
     if not run.alive_after:
         failures.append("the server did not answer /health after the load")
     distinct = {tuple(p.tokens) for p in run.probes}
-    noise, flips = judge_probes(run.probes)
-    if noise > PROBE_NOISE_CAP:
+    noise, flips = judge_probes(run.probes, probe_cap)
+    if noise > probe_cap:
         failures.append(f"the greedy probe's log-probabilities moved by {noise:.3f} nats "
-                        f"where its tokens agree (more than {PROBE_NOISE_CAP})")
+                        f"where its tokens agree (more than {probe_cap:.3f})")
     changed = [f for f in flips if not f["near_tie"]]
     if changed:
         failures.append(f"the greedy probe changed: {len(distinct)} different outputs over "
                         f"{len(run.probes)} probes; first difference at token "
                         f"{changed[0]['token']} (margin {changed[0]['margin']} nats, "
-                        f"near-tie bar {2 * noise:.4f})")
+                        f"near-tie bar {2 * min(noise, probe_cap):.4f})")
     gpu = [s.gpu_mib for s in run.samples if s.gpu_mib is not None]
     rss = [s.rss_mib for s in run.samples if s.rss_mib is not None]
     if gpu and growth(gpu) > GPU_SLACK_MIB:
@@ -463,7 +475,8 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
         "probes": len(run.probes),
         "probe_outputs": len(distinct),
         "probe_noise_nats": round(noise, 4),
-        "probe_near_ties": [(f["token"], f["margin"]) for f in flips if f["near_tie"]],
+        "probe_noise_cap": round(probe_cap, 4),
+        "probe_near_ties": [[f["token"], f["margin"]] for f in flips if f["near_tie"]],
         "max_stall_s": round(stall, 2),
         "gpu_mib_growth": round(growth(gpu), 1) if gpu else None,
         "gpu_measure": run.gpu_measure,
@@ -474,12 +487,12 @@ def verdict(run: Run, stall_s: float) -> tuple[dict, list[str]]:
     return summary, failures
 
 
-def judge_probes(probes: list[Probe]) -> tuple[float, list[dict]]:
+def judge_probes(probes: list[Probe], cap: float = math.inf) -> tuple[float, list[dict]]:
     """(spread, partings): the largest |log-probability difference| from the
     first probe where the tokens agree, and for each later probe whose tokens
     part from the first's, where, the first's margin there, and whether that
     is a near-tie (the token taken is the first's runner-up, within twice the
-    spread)."""
+    spread, the spread taken at most `cap`)."""
     if not probes:
         return 0.0, []
     ref, noise, parted = probes[0], 0.0, []
@@ -496,7 +509,7 @@ def judge_probes(probes: list[Probe]) -> tuple[float, list[dict]]:
     for at, p in parted:
         margin = ref.margins[at] if at < len(ref.margins) else None
         near = (margin is not None and at < len(p.tokens) and at < len(ref.runner_up)
-                and p.tokens[at] == ref.runner_up[at] and margin <= 2 * noise)
+                and p.tokens[at] == ref.runner_up[at] and margin <= 2 * min(noise, cap))
         flips.append({"token": at, "margin": None if margin is None else round(margin, 4),
                       "near_tie": near})
     return noise, flips
@@ -511,13 +524,21 @@ def tracebacks(log: str) -> list[str]:
 
 def render(rows: list[dict]) -> str:
     head = rows[-1]
+    notes = []
+    if head.get("chat") is False:
+        notes.append("- no chat requests: the tokenizer has no chat template")
+    if head.get("path"):
+        notes.append(f"- the peer: the same load on {head['path']}, judged with the fixed "
+                     "bar; its probe's spread sets the soak's")
+    if peer := head.get("peer"):
+        notes.append(f"- the probe's bar from the peer ({peer['path']}, {peer['minutes']} "
+                     f"min): {peer['probe_outputs']} outputs, spread "
+                     f"{peer['probe_noise_nats']} nats")
     lines = ["# `vllm serve` soak (generated by scripts/soak.py)", "",
              (f"- {head.get('date')}; {head.get('card')}; vLLM {head.get('vllm')}; "
               f"{head.get('gguf')}; {head.get('minutes')} min; concurrency up to "
               f"{head.get('max_concurrency')}"),
-             f"- command: `{head.get('command')}`",
-             *(["- no chat requests: the tokenizer has no chat template"]
-               if head.get("chat") is False else []), "",
+             f"- command: `{head.get('command')}`", *notes, "",
              "| minute | requests | output tok/s | 4xx | failed |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -623,46 +644,26 @@ def _metric(base: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", type=Path, required=True)
-    ap.add_argument("--hf", type=Path, required=True, help="--hf-config-path and --tokenizer")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=5.0)
-    ap.add_argument("--max-concurrency", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-tokens", type=int, default=16384,
-                    help="KV cache size in tokens: small, so that the load preempts")
-    ap.add_argument("--stall-s", type=float, default=5.0)
-    ap.add_argument("--probe-len", type=int, default=200,
-                    help="prompt tokens of the greedy probe (past index_topk: the "
-                         "indexer's selection is in play)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("serve_args", nargs="*", help="after --: more `vllm serve` arguments")
-    args = ap.parse_args()
+def soak_server(args, target: Target, extra: list[str], env: dict, minutes: float,
+                out: Path) -> tuple[Run, float]:
+    """Start `vllm serve` on args.gguf, drive it for `minutes`, stop it: the
+    run (tracebacks of its log included) and when the load began."""
+    out.mkdir(parents=True, exist_ok=True)
     import requests
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((args.hf / "config.json").read_text())
-    port = _free_port()
-    target = Target(f"http://127.0.0.1:{port}", "soak", args.max_model_len,
-                    config["vocab_size"], chat=has_chat_template(args.hf))
-    if not target.chat:
-        print(f"==> {args.hf}: the tokenizer has no chat template; no chat requests",
-              flush=True)
+    target = replace(target, base=f"http://127.0.0.1:{_free_port()}")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(args.gguf),
            "--hf-config-path", str(args.hf), "--tokenizer", str(args.hf),
            "--served-model-name", target.model, "--dtype", "float16",
-           "--host", "127.0.0.1", "--port", str(port),
+           "--host", "127.0.0.1", "--port", target.base.rsplit(":", 1)[1],
            "--max-model-len", str(args.max_model_len), "--max-logprobs", "20",
            "--num-gpu-blocks-override", str(max(1, args.kv_cache_tokens // 64)),
-           "--enable-chunked-prefill", "--enable-prefix-caching", "--seed", "0",
-           *args.serve_args]
-    log_path = args.out / "server.log"
-    print("==> " + " ".join(cmd), flush=True)
+           "--enable-chunked-prefill", "--enable-prefix-caching", "--seed", "0", *extra]
+    log_path = out / "server.log"
+    print("==> " + " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]), flush=True)
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, env={**os.environ, **env})
     run = Run()
     try:
         deadline = time.monotonic() + 900
@@ -678,10 +679,10 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise SystemExit(f"vllm serve not healthy in 900 s; log: {log_path}")
             time.sleep(2)
-        print(f"==> load for {args.minutes} min, concurrency up to {args.max_concurrency}",
+        print(f"==> load for {minutes} min, concurrency up to {args.max_concurrency}",
               flush=True)
         t0 = time.monotonic()
-        asyncio.run(drive(target, args.minutes * 60, args.max_concurrency, args.seed,
+        asyncio.run(drive(target, minutes * 60, args.max_concurrency, args.seed,
                           lambda: _sample(server.pid, run), run, args.probe_len))
         run.preemptions = _metric(target.base, "vllm:num_preemptions_total")
         try:
@@ -691,22 +692,81 @@ def main() -> int:
     finally:
         stop_server(server)
     run.log_tracebacks = tracebacks(log_path.read_text(errors="replace"))
-    summary, failures = verdict(run, args.stall_s)
+    return run, t0
+
+
+def peer_cap(peer_noise: float) -> float:
+    """The probe's spread allowed, from upstream's path's under the same load."""
+    return max(PROBE_NOISE_FLOOR, PEER_FACTOR * peer_noise)
+
+
+def write_record(out: Path, rows: list[dict], run: Run) -> None:
+    (out / "soak.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "soak.md").write_text(render(rows))
+    (out / "outcomes.jsonl").write_text(
+        "".join(json.dumps(asdict(o)) + "\n" for o in run.outcomes))
+    (out / "probes.jsonl").write_text(
+        "".join(json.dumps(asdict(p)) + "\n" for p in run.probes))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--hf", type=Path, required=True, help="--hf-config-path and --tokenizer")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--max-concurrency", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-tokens", type=int, default=16384,
+                    help="KV cache size in tokens: small, so that the load preempts")
+    ap.add_argument("--stall-s", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe-len", type=int, default=200,
+                    help="prompt tokens of the greedy probe (past index_topk: the "
+                         "indexer's selection is in play)")
+    ap.add_argument("--peer-minutes", type=float, default=0.0,
+                    help="first the same load on upstream's path (FLASHMLA_SPARSE, bf16, "
+                         "vLLM's GGUF kernels) for this long: its probe's spread sets the "
+                         "probe's bar (default: no peer, a fixed bar)")
+    ap.add_argument("serve_args", nargs="*", help="after --: more `vllm serve` arguments")
+    args = ap.parse_args()
     import vllm
 
-    smi = _gpu_name()
-    head = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "card": smi,
-            "vllm": vllm.__version__, "gguf": args.gguf.name, "minutes": args.minutes,
-            "max_concurrency": args.max_concurrency, "chat": target.chat, "command": " ".join(
-                ["scripts/soak.py", *map(_portable, sys.argv[1:])]),
+    if args.peer_minutes < 0:
+        ap.error(f"--peer-minutes {args.peer_minutes}: not negative")
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((args.hf / "config.json").read_text())
+    target = Target("", "soak", args.max_model_len,
+                    config["vocab_size"], chat=has_chat_template(args.hf))
+    if not target.chat:
+        print(f"==> {args.hf}: the tokenizer has no chat template; no chat requests",
+              flush=True)
+    head = {"card": _gpu_name(), "vllm": vllm.__version__, "gguf": args.gguf.name,
+            "max_concurrency": args.max_concurrency, "chat": target.chat,
+            "command": " ".join(["scripts/soak.py", *map(_portable, sys.argv[1:])])}
+    cap, peer = PROBE_NOISE_CAP, None
+    if args.peer_minutes:
+        print("==> the peer: upstream's path under the same load", flush=True)
+        peer_run, t0 = soak_server(args, target, [*args.serve_args, *PEER_ARGS], PEER_ENV,
+                                   args.peer_minutes, args.out / "peer")
+        summary, failures = verdict(peer_run, args.stall_s)
+        cap = peer_cap(summary["probe_noise_nats"])
+        peer = {"path": "upstream: " + " ".join(PEER_ARGS) + " " + " ".join(
+                    f"{k}={v}" for k, v in PEER_ENV.items()),
+                "minutes": args.peer_minutes, "probe_outputs": summary["probe_outputs"],
+                "probe_noise_nats": summary["probe_noise_nats"], "failures": failures}
+        rows = [*per_minute(peer_run, t0), {
+            **head, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "minutes": args.peer_minutes, "path": peer["path"], "summary": summary,
+            "failures": failures, "passed": not failures}]
+        write_record(args.out / "peer", rows, peer_run)
+    run, t0 = soak_server(args, target, args.serve_args, {}, args.minutes, args.out)
+    summary, failures = verdict(run, args.stall_s, cap)
+    head = {**head, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "minutes": args.minutes, **({"peer": peer} if peer else {}),
             "summary": summary, "failures": failures, "passed": not failures}
     rows = [*per_minute(run, t0), head]
-    (args.out / "soak.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (args.out / "soak.md").write_text(render(rows))
-    (args.out / "outcomes.jsonl").write_text(
-        "".join(json.dumps(asdict(o)) + "\n" for o in run.outcomes))
-    (args.out / "probes.jsonl").write_text(
-        "".join(json.dumps(asdict(p)) + "\n" for p in run.probes))
+    write_record(args.out, rows, run)
     print(render(rows))
     return 0 if not failures else 1
 

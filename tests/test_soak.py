@@ -320,3 +320,60 @@ def test_parse_probe_reads_the_top_two_by_token_id():
     assert p.tokens == [7, 3] and p.logprobs == [-0.2, -1.0]
     assert p.runner_up == [4, None] and p.margins[1] is None
     assert math.isclose(p.margins[0], 0.5)
+
+
+SOAK_RECORDS = sorted((soak.Path(__file__).parent / "e2e").glob("r*/nvidia-h200/**/soak*.jsonl"))
+
+
+@pytest.mark.parametrize("data", SOAK_RECORDS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_committed_soak_records_are_rendered_from_their_data(data):
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line]
+    assert soak.render(rows) == data.with_suffix(".md").read_text()
+
+
+def _steady(spread: float) -> soak.Run:
+    """A run that holds on everything but, maybe, its probe's spread."""
+    probes = [soak.Probe([1, 2, 3], [-0.1, -0.2 - d, -0.3], [4, 5, 6], [1.0, 1.0, 1.0])
+              for d in (0.0, spread, 0.0)]
+    return soak.Run(probes=probes, preemptions=5.0, alive_after=True)
+
+
+@pytest.mark.parametrize("peer_minutes, passed", [(0, False), (1.5, True)])
+def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minutes, passed):
+    """With --peer-minutes, upstream's path runs the same load first (its
+    arguments after the soak's own) and twice its probe's spread is the
+    bar: a 0.15-nat spread fails the fixed 0.1 bar and passes against a peer
+    that spreads 0.08."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    calls = []
+
+    def fake(args, target, extra, env, minutes, out):
+        calls.append((list(extra), dict(env), minutes))
+        out.mkdir(parents=True, exist_ok=True)
+        return _steady(0.08 if env else 0.15), 0.0
+
+    monkeypatch.setattr(soak, "soak_server", fake)
+    monkeypatch.setattr(soak.sys, "argv", [
+        "soak.py", "--gguf", "/m/x.gguf", "--hf", str(hf), "--out", str(tmp_path / "out"),
+        "--minutes", "3", "--peer-minutes", str(peer_minutes), "--", "--max-num-seqs", "64"])
+    assert soak.main() == (0 if passed else 1)
+    head = json.loads((tmp_path / "out" / "soak.jsonl").read_text().splitlines()[-1])
+    assert head["passed"] is passed
+    if peer_minutes:
+        assert calls[0] == (["--max-num-seqs", "64", *soak.PEER_ARGS], soak.PEER_ENV, 1.5)
+        assert head["summary"]["probe_noise_cap"] == 0.16
+        assert head["peer"]["probe_noise_nats"] == 0.08
+        peer = json.loads((tmp_path / "out" / "peer" / "soak.jsonl").read_text().splitlines()[-1])
+        assert peer["path"].startswith("upstream") and peer["passed"]
+        assert "the probe's bar from the peer" in (tmp_path / "out" / "soak.md").read_text()
+    else:
+        assert len(calls) == 1 and head["summary"]["probe_noise_cap"] == soak.PROBE_NOISE_CAP
+    assert calls[-1] == (["--max-num-seqs", "64"], {}, 3.0)
+    assert (tmp_path / "out" / "probes.jsonl").read_text().count("\n") == 3
+
+
+def test_peer_cap_has_a_floor():
+    assert soak.peer_cap(0.0) == soak.PROBE_NOISE_FLOOR
+    assert soak.peer_cap(0.1) == pytest.approx(0.2)
