@@ -11,6 +11,7 @@ import math
 import random
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -377,3 +378,44 @@ def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minute
 def test_peer_cap_has_a_floor():
     assert soak.peer_cap(0.0) == soak.PROBE_NOISE_FLOOR
     assert soak.peer_cap(0.1) == pytest.approx(0.2)
+
+
+_FAKE_SERVE = """#!{python}
+# `vllm serve` as the soak starts it: the fake server above on the --port it is given
+import os
+import sys
+
+sys.path[:0] = {paths!r}
+from aiohttp import web
+
+import test_soak
+
+print("env", os.environ.get("VLLM_GGUF_KERNELS"), "args", " ".join(sys.argv[1:]), flush=True)
+web.run_app(test_soak._app(None), host="127.0.0.1",
+            port=int(sys.argv[sys.argv.index("--port") + 1]), print=None)
+"""
+
+
+def test_soak_server_starts_drives_and_stops_a_server(tmp_path, monkeypatch):
+    """soak_server as main calls it for the peer: its arguments after the
+    soak's own, its environment, a port of its own; the load and probes
+    run, and the server is gone afterwards."""
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_SERVE.format(python=sys.executable, paths=[
+        str(soak.Path(__file__).parent), str(soak.Path(soak.__file__).parent)]))
+    fake.chmod(0o755)
+    monkeypatch.setattr(soak.sys, "executable", str(fake))
+    args = soak.argparse.Namespace(gguf=tmp_path / "x.gguf", hf=tmp_path, max_model_len=MAX_LEN,
+                                   kv_cache_tokens=4096, max_concurrency=8, seed=0,
+                                   probe_len=16)
+    target = soak.Target("", "soak", MAX_LEN, VOCAB)
+    run, _ = soak.soak_server(args, target, ["--x", *soak.PEER_ARGS], soak.PEER_ENV, 0.05,
+                              tmp_path / "peer")
+    first = (tmp_path / "peer" / "server.log").read_text().splitlines()[0]
+    assert first.startswith("env upstream args") and first.split()[-4:] == soak.PEER_ARGS
+    assert "--dtype float16" in first  # the soak's own, which the peer's follow
+    assert len(run.probes) >= 2 and run.alive_after
+    port = int(first.split("--port ")[1].split()[0])
+    with pytest.raises(OSError):  # stopped
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert run.outcomes and not [o for o in run.outcomes if o.error]
