@@ -7,7 +7,8 @@ CPU (TRITON_INTERPRET=1): every value gguf-py's, exact in fp32 and rounded
 once in fp16, into a NaN-poisoned output, over programs that end
 inside the last one; leading dims kept; bad blocks, dtypes and outputs
 refused; the kernel compiles for SM120 and SM90 within SM120's shared
-memory. GPU (`-m gpu`): equal to vLLM's ggml_dequantize and to gguf-py.
+memory; the GPU test's bar for ggml fails misread blocks. GPU (`-m gpu`):
+gguf-py's values rounded once, and vLLM's ggml_dequantize within that bar.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import gguf
 import pytest
 import torch
 
-from support.gguf_moe_ref import random_blocks
+from support.gguf_moe_ref import dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
 TYPES = ["Q8_0", "Q4_K", "Q6_K"]
@@ -101,6 +102,50 @@ def test_dequantize_compiles_for_sm120_and_sm90(tmp_path):
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 
+def ggml_decodes(got: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``got`` (ggml_dequantize's output, fp64) is the decode of the
+    blocks whose exact values are ``values``, as ggml computes it: in half
+    precision, so within 2^-8 of each group of 32 values' largest magnitude
+    (a unit in the last place of ``dtype`` more)."""
+    exact = values.to(dtype).double()
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    group = exact.abs().view(-1, 32).amax(dim=1, keepdim=True).expand(-1, 32)
+    return (got - exact).abs() <= 2.0**-8 * group.reshape(exact.shape) + ulp
+
+
+# (type, bytes of its quants, bytes of its sub-block scales or None, offset of d)
+_LAYOUT = [("Q8_0", (2, 34), None, 0), ("Q4_K", (16, 144), (4, 16), 0),
+           ("Q6_K", (0, 128), (192, 208), 208)]
+
+
+@pytest.mark.parametrize("qtype, quants, subscales, d", _LAYOUT, ids=[t[0] for t in _LAYOUT])
+def test_the_ggml_bar_fails_misread_blocks(qtype, quants, subscales, d):
+    """The GPU test's bar for ggml holds the exact values and fails blocks
+    read wrong (quants in the other nibble or byte order, another block's
+    scale, sub-block scales shifted by one) at most of their values."""
+    raw, values = random_blocks(qtype, (2, 64, 512), torch.Generator().manual_seed(3))
+    per_row = 512 // gguf.GGML_QUANT_SIZES[Q[qtype]][0]
+    blocks = raw.view(2, 64, per_row, -1)
+    misread = []
+    b = blocks.clone()
+    lo, hi = quants
+    b[..., lo:hi] = (b[..., lo:hi].flip(-1) if qtype == "Q8_0"
+                     else (b[..., lo:hi] >> 4) | (b[..., lo:hi] << 4))
+    misread.append(b)
+    b = blocks.clone()
+    b[..., d:d + 2] = blocks.roll(1, dims=2)[..., d:d + 2]
+    misread.append(b)
+    if subscales:
+        b = blocks.clone()
+        b[..., subscales[0]:subscales[1]] = blocks[..., subscales[0]:subscales[1]].roll(1, -1)
+        misread.append(b)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert ggml_decodes(values.to(dtype).double(), values, dtype).all()
+        for b in misread:
+            got = dequantize(b.reshape(raw.shape), qtype).to(dtype).double()
+            assert (~ggml_decodes(got, values, dtype)).float().mean() > 0.5
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
@@ -130,5 +175,4 @@ def test_dequantize_equals_ggml_on_the_gpu(qtype, dtype):
     ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((out - exact).abs() <= ulp).all()
     assert torch.isfinite(ggml).all()
-    group = exact.abs().view(-1, 32).amax(dim=1, keepdim=True).expand(-1, 32)
-    assert ((ggml - exact).abs() <= 2.0**-8 * group.reshape(exact.shape) + ulp).all()
+    assert ggml_decodes(ggml, values, dtype).all()
