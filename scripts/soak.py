@@ -700,6 +700,14 @@ def peer_cap(peer_noise: float) -> float:
     return max(PROBE_NOISE_FLOOR, PEER_FACTOR * peer_noise)
 
 
+def record_head(head: dict, minutes: float, summary: dict, failures: list[str],
+                **extra) -> dict:
+    """The record's last line: the run's setting, its verdict."""
+    return {**head, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "minutes": minutes, **extra, "summary": summary, "failures": failures,
+            "passed": not failures}
+
+
 def write_record(out: Path, rows: list[dict], run: Run) -> None:
     (out / "soak.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "soak.md").write_text(render(rows))
@@ -755,17 +763,13 @@ def main() -> int:
                     f"{k}={v}" for k, v in PEER_ENV.items()),
                 "minutes": args.peer_minutes, "probe_outputs": summary["probe_outputs"],
                 "probe_noise_nats": summary["probe_noise_nats"], "failures": failures}
-        rows = [*per_minute(peer_run, t0), {
-            **head, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "minutes": args.peer_minutes, "path": peer["path"], "summary": summary,
-            "failures": failures, "passed": not failures}]
+        rows = [*per_minute(peer_run, t0), record_head(head, args.peer_minutes, summary,
+                                                        failures, path=peer["path"])]
         write_record(args.out / "peer", rows, peer_run)
     run, t0 = soak_server(args, target, args.serve_args, {}, args.minutes, args.out)
     summary, failures = verdict(run, args.stall_s, cap)
-    head = {**head, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "minutes": args.minutes, **({"peer": peer} if peer else {}),
-            "summary": summary, "failures": failures, "passed": not failures}
-    rows = [*per_minute(run, t0), head]
+    rows = [*per_minute(run, t0), record_head(head, args.minutes, summary, failures,
+                                              **({"peer": peer} if peer else {}))]
     write_record(args.out, rows, run)
     print(render(rows))
     return 0 if not failures else 1

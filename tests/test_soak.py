@@ -339,12 +339,14 @@ def _steady(spread: float) -> soak.Run:
     return soak.Run(probes=probes, preemptions=5.0, alive_after=True)
 
 
-@pytest.mark.parametrize("peer_minutes, passed", [(0, False), (1.5, True)])
-def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minutes, passed):
+@pytest.mark.parametrize("peer_minutes, spread, passed",
+                         [(0, 0.15, False), (1.5, 0.15, True), (1.5, 0.5, False)])
+def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minutes, spread,
+                                              passed):
     """With --peer-minutes, upstream's path runs the same load first (its
     arguments after the soak's own) and twice its probe's spread is the
     bar: a 0.15-nat spread fails the fixed 0.1 bar and passes against a peer
-    that spreads 0.08."""
+    that spreads 0.08; 0.5 fails against it too."""
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"vocab_size": 512}))
@@ -353,7 +355,7 @@ def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minute
     def fake(args, target, extra, env, minutes, out):
         calls.append((list(extra), dict(env), minutes))
         out.mkdir(parents=True, exist_ok=True)
-        return _steady(0.08 if env else 0.15), 0.0
+        return _steady(0.08 if env else spread), 0.0
 
     monkeypatch.setattr(soak, "soak_server", fake)
     monkeypatch.setattr(soak.sys, "argv", [
