@@ -19,19 +19,23 @@ go to `vllm serve` unchanged (e.g. --tensor-parallel-size 2).
 
 It passes when every request ends in a completion or a 4xx whose message
 says what was wrong (no 5xx, no request past its deadline); the server
-answers afterwards; the probe's tokens are identical every time (but
-where they part at a near-tie: the first probe's runner-up, within twice
-the probes' own spread of log-probabilities), and that spread is at most
-PROBE_NOISE_CAP nats, or with --peer-minutes PEER_FACTOR x the spread of
-upstream's path (FLASHMLA_SPARSE, bf16, vLLM's GGUF kernels) under the
-same load first, in --out/peer; no log-probability is NaN or infinite; the server's GPU memory (its
-processes', or the whole GPU's where the driver does not list them) and
-resident memory do not grow over the last half; no stall (no token while requests
-are in flight) is longer than --stall-s; the load preempted requests; and
-the server log holds no traceback. Output in --out: soak.jsonl (one line
-per minute, then the verdict) and soak.md (rendered from it), the server
-log, every request's outcome (outcomes.jsonl) and every probe's tokens,
-log-probabilities and margins (probes.jsonl). Exit status 1 when it fails.
+answers afterwards; the probe's tokens are identical every time (but where
+they part at a near-tie: each probe has the other's token among its
+PROBE_TOP most likely, within twice the probes' spread of
+log-probabilities), and that spread is at most PROBE_NOISE_CAP nats, or with
+--peer-minutes PEER_FACTOR x the spread of upstream's path (FLASHMLA_SPARSE,
+bf16, vLLM's GGUF kernels) under the same load first, in --out/peer (the
+near-tie bar then twice that: a routing flip moves a step's
+log-probabilities more than the steps where the probes agree show; the
+record says whether the peer itself passes the bar); no log-probability is
+NaN or infinite; the server's GPU memory (its processes', or the whole GPU's
+where the driver does not list them) and resident memory do not grow over
+the last half; no stall (no token while requests are in flight) is longer
+than --stall-s; the load preempted requests; and the server log holds no
+traceback. Output in --out: soak.jsonl (one line per minute, then the
+verdict) and soak.md (rendered from it), the server log, every request's
+outcome (outcomes.jsonl) and every probe's tokens, log-probabilities and top
+tokens (probes.jsonl). Exit status 1 when it fails.
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ RSS_SLACK = 0.10
 PROBE_TOKENS = 32
 # The probe's tokens may part at a near-tie (vLLM's batches of other sizes
 # round differently, and a rounding can flip a router's or the indexer's
-# choice): the runner-up within twice the probe's spread of log-probabilities
-# where its tokens agree. That spread past a cap is a fault in itself: this
+# choice): where each of the two probes has the other's token among its
+# PROBE_TOP most likely, within twice the probe's spread of log-probabilities
+# where its tokens agree (random routers tie three ways as well as two).
+# That spread past a cap is a fault in itself: this
 # one without a peer; with one (--peer-minutes), PEER_FACTOR x the spread of
 # upstream's path under the same load, at least PROBE_NOISE_FLOOR.
 PROBE_NOISE_CAP = 0.1
 PEER_FACTOR = 2.0
 PROBE_NOISE_FLOOR = 0.02
+PROBE_TOP = 5
 # The peer: upstream's path as vLLM 0.23 runs it on the same file (its
 # attention, indexer and GGUF kernels), as the engine benchmark's
 # flashmla-bf16. Its arguments come after the soak's own, so they win.
@@ -102,12 +109,17 @@ class Sample:
 @dataclass
 class Probe:
     """One greedy probe: its tokens, their log-probabilities, and at each
-    step the runner-up token and how far behind it was (nats)."""
+    step the most likely tokens as [token, log-probability] pairs."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
-    runner_up: list[int | None] = field(default_factory=list)
-    margins: list[float | None] = field(default_factory=list)
+    top: list[list[list]] = field(default_factory=list)
+
+    def logprob_of(self, step: int, token: int) -> float | None:
+        """token's log-probability at step, None where it is not in the top."""
+        if step >= len(self.top):
+            return None
+        return next((lp for t, lp in self.top[step] if t == token), None)
 
 
 @dataclass
@@ -296,10 +308,10 @@ async def send(session, run: Run, target: Target, kind: str, path: str, body,
 
 
 async def probe(session, target: Target, prompt: list[int]) -> Probe:
-    """The fixed greedy probe, with its top two log-probabilities a step."""
+    """The fixed greedy probe, with its top PROBE_TOP log-probabilities a step."""
     body = {"model": target.model, "prompt": prompt, "max_tokens": PROBE_TOKENS,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True}
+            "logprobs": PROBE_TOP, "return_tokens_as_token_ids": True}
     async with session.post(target.base + "/v1/completions", json=body) as resp:
         payload = await resp.json(content_type=None)
         if resp.status != 200:
@@ -313,11 +325,9 @@ def parse_probe(choice: dict) -> Probe:
     out = Probe(list(choice["token_ids"]),
                 [float(v) for v in lp.get("token_logprobs") or []])
     for top in lp.get("top_logprobs") or []:
-        ranked = sorted(((float(v), int(k.rsplit(":", 1)[1])) for k, v in (top or {}).items()),
-                        reverse=True)
-        two = len(ranked) > 1
-        out.runner_up.append(ranked[1][1] if two else None)
-        out.margins.append(ranked[0][0] - ranked[1][0] if two else None)
+        ranked = sorted(((int(k.rsplit(":", 1)[1]), float(v)) for k, v in (top or {}).items()),
+                        key=lambda tv: (-tv[1], tv[0]))
+        out.top.append([list(tv) for tv in ranked])
     return out
 
 
@@ -340,7 +350,9 @@ async def drive(target: Target, duration: float, max_concurrency: int, seed: int
     rng = random.Random(seed)
     probe_len = max(1, min(probe_len, target.max_model_len - PROBE_TOKENS))
     probe_prompt = _prompt(random.Random(2026), target, probe_len)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request: a broken one is then the server's doing, not
+    # a pooled keep-alive connection the server closed as the client took it.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         run.probes.append(await probe(session, target, probe_prompt))
         start = time.monotonic()
@@ -422,8 +434,8 @@ def per_minute(run: Run, t0: float) -> list[dict]:
     return [rows[m] for m in sorted(rows)]
 
 
-def verdict(run: Run, stall_s: float,
-            probe_cap: float = PROBE_NOISE_CAP) -> tuple[dict, list[str]]:
+def verdict(run: Run, stall_s: float, probe_cap: float = PROBE_NOISE_CAP,
+            tie_bar: float | None = None) -> tuple[dict, list[str]]:
     failures = []
     failed = [o for o in run.outcomes if o.error]
     silent = [o for o in run.outcomes if o.status is not None and 400 <= o.status < 500
@@ -438,7 +450,8 @@ def verdict(run: Run, stall_s: float,
     if not run.alive_after:
         failures.append("the server did not answer /health after the load")
     distinct = {tuple(p.tokens) for p in run.probes}
-    noise, flips = judge_probes(run.probes, probe_cap)
+    noise, flips = judge_probes(run.probes, probe_cap, tie_bar)
+    bar = 2 * min(noise, probe_cap) if tie_bar is None else tie_bar
     if noise > probe_cap:
         failures.append(f"the greedy probe's log-probabilities moved by {noise:.3f} nats "
                         f"where its tokens agree (more than {probe_cap:.3f})")
@@ -446,8 +459,9 @@ def verdict(run: Run, stall_s: float,
     if changed:
         failures.append(f"the greedy probe changed: {len(distinct)} different outputs over "
                         f"{len(run.probes)} probes; first difference at token "
-                        f"{changed[0]['token']} (margin {changed[0]['margin']} nats, "
-                        f"near-tie bar {2 * min(noise, probe_cap):.4f})")
+                        f"{changed[0]['token']} (gap {changed[0]['gap']} nats, "
+                        f"near-tie bar {bar:.4f}; None: a token "
+                        f"outside the other's top {PROBE_TOP})")
     gpu = [s.gpu_mib for s in run.samples if s.gpu_mib is not None]
     rss = [s.rss_mib for s in run.samples if s.rss_mib is not None]
     if gpu and growth(gpu) > GPU_SLACK_MIB:
@@ -476,7 +490,8 @@ def verdict(run: Run, stall_s: float,
         "probe_outputs": len(distinct),
         "probe_noise_nats": round(noise, 4),
         "probe_noise_cap": round(probe_cap, 4),
-        "probe_near_ties": [[f["token"], f["margin"]] for f in flips if f["near_tie"]],
+        "probe_tie_bar": round(bar, 4),
+        "probe_near_ties": [[f["token"], f["gap"]] for f in flips if f["near_tie"]],
         "max_stall_s": round(stall, 2),
         "gpu_mib_growth": round(growth(gpu), 1) if gpu else None,
         "gpu_measure": run.gpu_measure,
@@ -487,12 +502,14 @@ def verdict(run: Run, stall_s: float,
     return summary, failures
 
 
-def judge_probes(probes: list[Probe], cap: float = math.inf) -> tuple[float, list[dict]]:
+def judge_probes(probes: list[Probe], cap: float = math.inf,
+                 tie_bar: float | None = None) -> tuple[float, list[dict]]:
     """(spread, partings): the largest |log-probability difference| from the
     first probe where the tokens agree, and for each later probe whose tokens
-    part from the first's, where, the first's margin there, and whether that
-    is a near-tie (the token taken is the first's runner-up, within twice the
-    spread, the spread taken at most `cap`)."""
+    part from the first's, where, the gap there (the larger of how far each
+    probe put the other's token behind its own; None where one of them is not
+    in the other's top) and whether that is a near-tie (a gap within tie_bar,
+    by default twice the spread, the spread taken at most `cap`)."""
     if not probes:
         return 0.0, []
     ref, noise, parted = probes[0], 0.0, []
@@ -507,10 +524,16 @@ def judge_probes(probes: list[Probe], cap: float = math.inf) -> tuple[float, lis
             parted.append((at, p))
     flips = []
     for at, p in parted:
-        margin = ref.margins[at] if at < len(ref.margins) else None
-        near = (margin is not None and at < len(p.tokens) and at < len(ref.runner_up)
-                and p.tokens[at] == ref.runner_up[at] and margin <= 2 * min(noise, cap))
-        flips.append({"token": at, "margin": None if margin is None else round(margin, 4),
+        gap = None
+        if at < len(p.tokens):
+            mine, theirs = ref.tokens[at], p.tokens[at]
+            lps = (ref.logprob_of(at, mine), ref.logprob_of(at, theirs),
+                   p.logprob_of(at, theirs), p.logprob_of(at, mine))
+            if None not in lps:
+                gap = max(lps[0] - lps[1], lps[2] - lps[3])
+        bar = 2 * min(noise, cap) if tie_bar is None else tie_bar
+        near = gap is not None and gap <= bar
+        flips.append({"token": at, "gap": None if gap is None else round(gap, 4),
                       "near_tie": near})
     return noise, flips
 
@@ -534,6 +557,10 @@ def render(rows: list[dict]) -> str:
         notes.append(f"- the probe's bar from the peer ({peer['path']}, {peer['minutes']} "
                      f"min): {peer['probe_outputs']} outputs, spread "
                      f"{peer['probe_noise_nats']} nats")
+        if "probe_bar_failures" in peer:
+            own = peer["probe_bar_failures"]
+            notes.append("- the peer's own probe against that bar: "
+                         + ("; ".join(own) if own else "passes"))
     lines = ["# `vllm serve` soak (generated by scripts/soak.py)", "",
              (f"- {head.get('date')}; {head.get('card')}; vLLM {head.get('vllm')}; "
               f"{head.get('gguf')}; {head.get('minutes')} min; concurrency up to "
@@ -700,6 +727,10 @@ def peer_cap(peer_noise: float) -> float:
     return max(PROBE_NOISE_FLOOR, PEER_FACTOR * peer_noise)
 
 
+def probe_failures(failures: list[str]) -> list[str]:
+    return [f for f in failures if f.startswith("the greedy probe")]
+
+
 def record_head(head: dict, minutes: float, summary: dict, failures: list[str],
                 **extra) -> dict:
     """The record's last line: the run's setting, its verdict."""
@@ -752,22 +783,26 @@ def main() -> int:
     head = {"card": _gpu_name(), "vllm": vllm.__version__, "gguf": args.gguf.name,
             "max_concurrency": args.max_concurrency, "chat": target.chat,
             "command": " ".join(["scripts/soak.py", *map(_portable, sys.argv[1:])])}
-    cap, peer = PROBE_NOISE_CAP, None
+    cap, tie_bar, peer = PROBE_NOISE_CAP, None, None
     if args.peer_minutes:
         print("==> the peer: upstream's path under the same load", flush=True)
         peer_run, t0 = soak_server(args, target, [*args.serve_args, *PEER_ARGS], PEER_ENV,
                                    args.peer_minutes, args.out / "peer")
         summary, failures = verdict(peer_run, args.stall_s)
         cap = peer_cap(summary["probe_noise_nats"])
+        tie_bar = 2 * cap
+        # the bar, held to upstream's own path: a bar it fails is miscalibrated
+        own = probe_failures(verdict(peer_run, args.stall_s, cap, tie_bar)[1])
         peer = {"path": "upstream: " + " ".join(PEER_ARGS) + " " + " ".join(
                     f"{k}={v}" for k, v in PEER_ENV.items()),
                 "minutes": args.peer_minutes, "probe_outputs": summary["probe_outputs"],
-                "probe_noise_nats": summary["probe_noise_nats"], "failures": failures}
+                "probe_noise_nats": summary["probe_noise_nats"], "failures": failures,
+                "probe_bar_failures": own}
         rows = [*per_minute(peer_run, t0), record_head(head, args.peer_minutes, summary,
                                                         failures, path=peer["path"])]
         write_record(args.out / "peer", rows, peer_run)
     run, t0 = soak_server(args, target, args.serve_args, {}, args.minutes, args.out)
-    summary, failures = verdict(run, args.stall_s, cap)
+    summary, failures = verdict(run, args.stall_s, cap, tie_bar)
     rows = [*per_minute(run, t0), record_head(head, args.minutes, summary, failures,
                                               **({"peer": peer} if peer else {}))]
     write_record(args.out, rows, run)

@@ -291,36 +291,55 @@ def test_the_probe_may_part_at_a_near_tie_within_its_own_spread():
     assert {t for t, _ in summary["probe_near_ties"]} == {5}
 
 
-def _probe(tokens, logprobs, runner_up, margins):
-    return soak.Probe(tokens, logprobs, runner_up, margins)
+def _probe(tokens, logprobs, last_top):
+    """A probe whose last step ranks last_top ({token: log-probability});
+    the steps before rank their own token alone."""
+    top = [[[t, lp]] for t, lp in zip(tokens[:-1], logprobs)]
+    ranked = sorted(last_top.items(), key=lambda tv: -tv[1])
+    return soak.Probe(tokens, logprobs, top + [[list(tv) for tv in ranked]])
+
+
+# The first probe: token 3 at the last step; 9, 7 and 8 behind by 0.015, 0.018
+# and 0.5.
+REF = _probe([1, 2, 3], [-0.1, -0.2, -0.3], {3: -0.3, 9: -0.315, 7: -0.318, 8: -0.8})
 
 
 @pytest.mark.parametrize("other, near", [
-    # the runner-up taken at a margin within twice the spread (0.02)
-    (_probe([1, 2, 9], [-0.1, -0.21, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), True),
-    # the same margin, but the token taken is not the runner-up
-    (_probe([1, 2, 8], [-0.1, -0.21, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), False),
-    # the runner-up, at a margin past twice the spread
-    (_probe([1, 2, 9], [-0.1, -0.2, -0.3], [5, 6, 7], [1.0, 1.0, 0.01]), False),
-    # shorter: parted where the first is longer, no margin to excuse it
-    (_probe([1, 2], [-0.1, -0.2], [5, 6], [1.0, 1.0]), False),
+    # 9 taken where the first ranks it 0.015 behind and this one ranks 3
+    # 0.005 behind: within twice the spread (0.01)
+    (_probe([1, 2, 9], [-0.1, -0.21, -0.31], {9: -0.31, 3: -0.315}), True),
+    # the first's third of a three-way tie, ranked within the bar by both
+    (_probe([1, 2, 7], [-0.1, -0.21, -0.31], {7: -0.31, 9: -0.311, 3: -0.315}), True),
+    # 8 is 0.5 behind in the first probe
+    (_probe([1, 2, 8], [-0.1, -0.21, -0.3], {8: -0.3, 3: -0.31}), False),
+    # 9, but this probe puts the first's token 0.4 behind
+    (_probe([1, 2, 9], [-0.1, -0.21, -0.3], {9: -0.3, 3: -0.7}), False),
+    # 9, but the first's token is not among this one's top
+    (_probe([1, 2, 9], [-0.1, -0.21, -0.3], {9: -0.3, 5: -0.31}), False),
+    # a token outside the first's top
+    (_probe([1, 2, 6], [-0.1, -0.21, -0.3], {6: -0.3, 3: -0.301}), False),
+    # 9 within the margin, but no spread: identical log-probabilities before
+    (_probe([1, 2, 9], [-0.1, -0.2, -0.31], {9: -0.31, 3: -0.315}), False),
+    # shorter: parted where the first is longer, nothing to excuse it
+    (_probe([1, 2], [-0.1, -0.2], {2: -0.2}), False),
 ])
 def test_judge_probes_excuses_only_a_near_tie(other, near):
-    ref = _probe([1, 2, 3], [-0.1, -0.2, -0.3], [5, 6, 9], [1.0, 1.0, 0.015])
-    noise, flips = soak.judge_probes([ref, ref, other])
+    noise, flips = soak.judge_probes([REF, REF, other])
     assert len(flips) == 1 and flips[0]["near_tie"] is near
     assert flips[0]["token"] == min(2, len(other.tokens))
 
 
-def test_parse_probe_reads_the_top_two_by_token_id():
+def test_parse_probe_ranks_the_top_by_token_id():
+    # a tie: the chosen token need not come first, and no token is its own runner-up
     choice = {"token_ids": [7, 3], "logprobs": {
         "token_logprobs": [-0.2, -1.0],
-        "top_logprobs": [{"token_id:7": -0.2, "token_id:4": -0.7},
+        "top_logprobs": [{"token_id:7": -0.2, "token_id:4": -0.7, "token_id:5": -0.2},
                          {"token_id:3": -1.0}]}}
     p = soak.parse_probe(choice)
     assert p.tokens == [7, 3] and p.logprobs == [-0.2, -1.0]
-    assert p.runner_up == [4, None] and p.margins[1] is None
-    assert math.isclose(p.margins[0], 0.5)
+    assert p.top == [[[5, -0.2], [7, -0.2], [4, -0.7]], [[3, -1.0]]]
+    assert p.logprob_of(0, 4) == -0.7 and p.logprob_of(0, 9) is None
+    assert p.logprob_of(2, 3) is None
 
 
 SOAK_RECORDS = sorted((soak.Path(__file__).parent / "e2e").glob("r*/nvidia-h200/**/soak*.jsonl"))
@@ -334,8 +353,7 @@ def test_committed_soak_records_are_rendered_from_their_data(data):
 
 def _steady(spread: float) -> soak.Run:
     """A run that holds on everything but, maybe, its probe's spread."""
-    probes = [soak.Probe([1, 2, 3], [-0.1, -0.2 - d, -0.3], [4, 5, 6], [1.0, 1.0, 1.0])
-              for d in (0.0, spread, 0.0)]
+    probes = [soak.Probe([1, 2, 3], [-0.1, -0.2 - d, -0.3]) for d in (0.0, spread, 0.0)]
     return soak.Run(probes=probes, preemptions=5.0, alive_after=True)
 
 
@@ -375,6 +393,45 @@ def test_the_peers_spread_sets_the_probes_bar(tmp_path, monkeypatch, peer_minute
         assert len(calls) == 1 and head["summary"]["probe_noise_cap"] == soak.PROBE_NOISE_CAP
     assert calls[-1] == (["--max-num-seqs", "64"], {}, 3.0)
     assert (tmp_path / "out" / "probes.jsonl").read_text().count("\n") == 3
+
+
+def _parting(spread: float, gap: float) -> soak.Run:
+    """A run whose probes spread by `spread` and whose last probe takes, at
+    its last step, the token the first put `gap` nats behind its own."""
+    ref = _probe([1, 2, 3], [-0.1, -0.2, -0.3], {3: -0.3, 9: -0.3 - gap})
+    moved = _probe([1, 2, 3], [-0.1, -0.2 - spread, -0.3], {3: -0.3, 9: -0.3 - gap})
+    parted = _probe([1, 2, 9], [-0.1, -0.2, -0.3], {9: -0.3, 3: -0.31})
+    return soak.Run(probes=[ref, moved, parted], preemptions=5.0, alive_after=True)
+
+
+@pytest.mark.parametrize("peer_minutes, series_gap, peer_gap, passed, peer_own", [
+    (0, 0.3, 0.25, False, None),  # the fixed bar: twice the 0.1 spread
+    (1.0, 0.3, 0.25, True, True),  # the peer's: twice 2 x 0.08
+    (1.0, 0.4, 0.25, False, True),
+    (1.0, 0.3, 0.5, True, False),  # a bar upstream's own path fails is said
+])
+def test_with_a_peer_the_near_tie_bar_is_twice_the_spread_allowed(
+        tmp_path, monkeypatch, peer_minutes, series_gap, peer_gap, passed, peer_own):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 512}))
+
+    def fake(args, target, extra, env, minutes, out):
+        out.mkdir(parents=True, exist_ok=True)
+        return (_parting(0.08, peer_gap) if env else _parting(0.1, series_gap)), 0.0
+
+    monkeypatch.setattr(soak, "soak_server", fake)
+    monkeypatch.setattr(soak.sys, "argv", [
+        "soak.py", "--gguf", "/m/x.gguf", "--hf", str(hf), "--out", str(tmp_path / "out"),
+        "--peer-minutes", str(peer_minutes)])
+    assert soak.main() == (0 if passed else 1)
+    head = json.loads((tmp_path / "out" / "soak.jsonl").read_text().splitlines()[-1])
+    assert head["passed"] is passed
+    assert head["summary"]["probe_tie_bar"] == (0.32 if peer_minutes else 0.2)
+    if peer_minutes:
+        assert (not head["peer"]["probe_bar_failures"]) is peer_own
+        md = (tmp_path / "out" / "soak.md").read_text()
+        assert ("the peer's own probe against that bar: passes" in md) is peer_own
 
 
 def test_peer_cap_has_a_floor():
