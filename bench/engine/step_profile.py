@@ -37,8 +37,11 @@ CATEGORIES = [
     ("sparse attention", (r"sparse_mla|flash_fwd.*mla|sparse_prefill|splitkv_mla|flashmla|"
                          r"mla.*combine|sparse_attn")),
     ("MLA KV cache write", r"concat_and_cache|reshape_and_cache"),
-    ("GGUF MoE", r"\bmoe_q\d|moe_vec_q"),
-    ("GGUF linears", r"mul_mat_vec_q|mul_mat_q|dequantize_block|quantize_q8_1"),
+    # the float paths' dequantization (0024's Triton kernel, ggml's), experts and linears
+    ("GGUF dequantize", r"_dequantize_kernel|dequantize_block"),
+    # routed experts: ggml's kernels, the Triton fused MoE of the float path, 0023's
+    ("GGUF MoE", r"\bmoe_q\d|moe_vec_q|fused_moe_kernel|gguf_moe_gemm"),
+    ("GGUF linears", r"mul_mat_vec_q|mul_mat_q|quantize_q8_1"),
     ("MoE routing", (r"grouped_topk|topk_softmax|topk_sigmoid|moe_align|moe_sum|router_gemm|"
                     r"count_and_sort")),
     ("dense GEMMs", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitkreduce|bmm"),
