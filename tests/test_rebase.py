@@ -444,8 +444,10 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0023": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The Triton dequantizer of 0022's float paths: goes with the loader.
     "0024": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The imatrix types in 0024's dequantizer: goes with the loader.
+    "0025": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The generated backend table in the docs moved on.
-    "0025": (rb.CONFLICT, "docs/design/attention_backends.md"),
+    "0026": (rb.CONFLICT, "docs/design/attention_backends.md"),
 }
 
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Triton dequantizer of the float paths (gguf_dequant.py: Q8_0, Q4_K,
-Q6_K; gguf_dispatch.dequantize takes it for those types).
+Q6_K, IQ4_XS, IQ3_XXS, IQ2_XXS; gguf_dispatch.dequantize takes it for those
+types).
 
 CPU (TRITON_INTERPRET=1): every value gguf-py's, exact in fp32 and rounded
 once in fp16, into a NaN-poisoned output, over programs that end
@@ -20,7 +21,7 @@ import torch
 from support.gguf_moe_ref import dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = ["Q8_0", "Q4_K", "Q6_K"]
+TYPES = ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ2_XXS"]
 
 
 def _module():
@@ -76,17 +77,29 @@ import json
 from vllm.model_executor.layers.quantization import gguf_dequant as mod
 from support.aot import AotKernel, compile_for
 out = {}
+kernels = []
 for qtype, (qk, size) in mod.LAYOUT.items():
     for ptr in ("*fp16", "*bf16"):
-        kernel = AotKernel(
+        kernels.append(AotKernel(
             name=f"{qtype.name}-{ptr[1:]}", fn=mod._dequantize_kernel,
             signature={"src": "*u8", "dst": ptr, "n_blocks": "i32", "QTYPE": "constexpr",
                        "QK": "constexpr", "BYTES": "constexpr", "BLOCKS": "constexpr"},
             constexprs={"QTYPE": int(qtype), "QK": qk, "BYTES": size,
                         "BLOCKS": mod._VALUES_PER_PROGRAM // qk},
-            options={"num_warps": 4, "num_stages": 1})
-        for cap in ((12, 0), (9, 0)):
-            out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compile_for(kernel, cap).metadata.shared
+            options={"num_warps": 4, "num_stages": 1}))
+for qtype, (qk, size) in mod.IQ_LAYOUT.items():
+    for ptr in ("*fp16", "*bf16"):
+        kernels.append(AotKernel(
+            name=f"{qtype.name}-{ptr[1:]}", fn=mod._dequantize_iq_kernel,
+            signature={"src": "*u8", "dst": ptr, "n_blocks": "i32", "grid_ptr": "*fp32",
+                       "signs_ptr": "*u8", "QTYPE": "constexpr", "BYTES": "constexpr",
+                       "BLOCKS": "constexpr"},
+            constexprs={"QTYPE": int(qtype), "BYTES": size,
+                        "BLOCKS": mod._VALUES_PER_PROGRAM // qk},
+            options={"num_warps": 4, "num_stages": 1}))
+for kernel in kernels:
+    for cap in ((12, 0), (9, 0)):
+        out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compile_for(kernel, cap).metadata.shared
 print(json.dumps(out))
 """
 
@@ -98,7 +111,7 @@ def test_dequantize_compiles_for_sm120_and_sm90(tmp_path):
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
     shared = run_aot_script(_AOT_SCRIPT, tmp_path)
-    assert len(shared) == 12
+    assert len(shared) == 24
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 

@@ -28,6 +28,9 @@ from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, rando
 
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
 
+# the types gguf_dequant's Triton kernel writes (ggml_dequantize the others)
+TRITON_DEQUANT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ2_XXS")
+
 
 def _module():
     from vllm.model_executor.layers.quantization import gguf_dispatch
@@ -150,11 +153,11 @@ def test_grouped_experts_match_the_fp64_reference(types, group, dtype, monkeypat
     assert sorted(covered) == sorted(set(topk_ids.flatten().tolist()))
     rows = sum(m for _, m in kernels.dequantized)
     assert rows == E * (2 * INTER + HIDDEN)
-    # Q8_0, Q4_K and Q6_K through gguf_dequant, the other types through ggml
-    assert {t for t, _ in kernels.ggml} == set(types) - {"Q8_0", "Q4_K", "Q6_K"}
+    # gguf_dequant's types through it, the other types through ggml
+    assert {t for t, _ in kernels.ggml} == set(types) - set(TRITON_DEQUANT_TYPES)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q5_K", "Q2_K"])
 def test_dequantize_takes_the_triton_kernel_for_its_types(qtype, monkeypatch):
     """gguf_dispatch.dequantize: gguf_dequant's kernel for the types it
     writes, ggml_dequantize for the rest; gguf-py's values either way."""
@@ -169,7 +172,7 @@ def test_dequantize_takes_the_triton_kernel_for_its_types(qtype, monkeypatch):
     raw, values = random_blocks(qtype, (2, 3, 512), torch.Generator().manual_seed(2))
     out = mod.dequantize(raw, int(QType[qtype]), torch.float32)
     assert torch.equal(out.double(), values)
-    takes_triton = qtype in ("Q8_0", "Q4_K", "Q6_K")
+    takes_triton = qtype in TRITON_DEQUANT_TYPES
     assert bool(triton_calls) == takes_triton and bool(kernels.ggml) != takes_triton
 
 
