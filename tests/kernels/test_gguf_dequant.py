@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The Triton dequantizer of the float paths (gguf_dequant.py: Q8_0, Q4_K,
-Q6_K, IQ4_XS, IQ3_XXS, IQ2_XXS; gguf_dispatch.dequantize takes it for those
-types).
+"""The Triton dequantizer of the float paths (gguf_dequant.py: Q8_0, the
+K-quants, IQ4_XS, IQ3_XXS, IQ2_XXS; gguf_dispatch.dequantize takes it for
+those types).
 
 CPU (TRITON_INTERPRET=1): every value gguf-py's, exact in fp32 and rounded
 once in fp16, into a NaN-poisoned output, over programs that end
@@ -21,7 +21,7 @@ import torch
 from support.gguf_moe_ref import dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ2_XXS"]
+TYPES = ["Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ2_XXS"]
 
 
 def _module():
@@ -67,9 +67,11 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match=r"out: contiguous \(2, 256\) torch.float16"):
         mod.dequantize(torch.zeros(2, 144, dtype=torch.uint8), q4k, torch.float16,
                        out=torch.empty(2, 256, dtype=torch.float32))
-    assert not mod.supported(int(Q.Q5_K)) and mod.supported(q4k)
+    # IQ3_S stays with ggml's grid (prefill and decode the same), Q5_0 with ggml
+    assert not mod.supported(int(Q.IQ3_S)) and not mod.supported(int(Q.Q5_0))
+    assert mod.supported(q4k)
     with pytest.raises(KeyError):
-        mod.dequantize(torch.zeros(2, 176, dtype=torch.uint8), int(Q.Q5_K), torch.float16)
+        mod.dequantize(torch.zeros(2, 22, dtype=torch.uint8), int(Q.Q5_0), torch.float16)
 
 
 _AOT_SCRIPT = r"""
@@ -111,7 +113,7 @@ def test_dequantize_compiles_for_sm120_and_sm90(tmp_path):
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
     shared = run_aot_script(_AOT_SCRIPT, tmp_path)
-    assert len(shared) == 24
+    assert len(shared) == 4 * len(TYPES)  # fp16, bf16 on sm_120, sm_90
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 

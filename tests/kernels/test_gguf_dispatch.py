@@ -29,7 +29,8 @@ from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, rando
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
 
 # the types gguf_dequant's Triton kernel writes (ggml_dequantize the others)
-TRITON_DEQUANT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ2_XXS")
+TRITON_DEQUANT_TYPES = ("Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS",
+                        "IQ2_XXS")
 
 
 def _module():
@@ -125,7 +126,7 @@ class CpuFloatKernels:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [E, 3, 1], ids=lambda g: f"group{g}")
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS", "Q5_K")],
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS", "IQ3_S")],
                          ids="-".join)
 def test_grouped_experts_match_the_fp64_reference(types, group, dtype, monkeypatch):
     """Every expert dequantized once; each group's fused MoE sees only its
@@ -157,7 +158,7 @@ def test_grouped_experts_match_the_fp64_reference(types, group, dtype, monkeypat
     assert {t for t, _ in kernels.ggml} == set(types) - set(TRITON_DEQUANT_TYPES)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q5_K", "Q2_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q3_K", "Q5_K", "IQ2_XXS", "IQ3_S", "Q5_0"])
 def test_dequantize_takes_the_triton_kernel_for_its_types(qtype, monkeypatch):
     """gguf_dispatch.dequantize: gguf_dequant's kernel for the types it
     writes, ggml_dequantize for the rest; gguf-py's values either way."""
