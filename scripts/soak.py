@@ -68,9 +68,9 @@ PROBE_TOKENS = 32
 # choice): where each of the two probes has the other's token among its
 # PROBE_TOP most likely, within twice the probe's spread of log-probabilities
 # where its tokens agree (random routers tie three ways as well as two).
-# That spread past a cap is a fault in itself: this
-# one without a peer; with one (--peer-minutes), PEER_FACTOR x the spread of
-# upstream's path under the same load, at least PROBE_NOISE_FLOOR.
+# That spread past a cap is a fault in itself: this one without a peer; with
+# one (--peer-minutes), PEER_FACTOR x the spread of upstream's path under
+# the same load, at least PROBE_NOISE_FLOOR, and the near-tie bar twice that.
 PROBE_NOISE_CAP = 0.1
 PEER_FACTOR = 2.0
 PROBE_NOISE_FLOOR = 0.02
