@@ -450,18 +450,8 @@ def verdict(run: Run, stall_s: float, probe_cap: float = PROBE_NOISE_CAP,
     if not run.alive_after:
         failures.append("the server did not answer /health after the load")
     distinct = {tuple(p.tokens) for p in run.probes}
-    noise, flips = judge_probes(run.probes, probe_cap, tie_bar)
-    bar = 2 * min(noise, probe_cap) if tie_bar is None else tie_bar
-    if noise > probe_cap:
-        failures.append(f"the greedy probe's log-probabilities moved by {noise:.3f} nats "
-                        f"where its tokens agree (more than {probe_cap:.3f})")
-    changed = [f for f in flips if not f["near_tie"]]
-    if changed:
-        failures.append(f"the greedy probe changed: {len(distinct)} different outputs over "
-                        f"{len(run.probes)} probes; first difference at token "
-                        f"{changed[0]['token']} (gap {changed[0]['gap']} nats, "
-                        f"near-tie bar {bar:.4f}; None: a token "
-                        f"outside the other's top {PROBE_TOP})")
+    noise, bar, flips, probe_fails = probe_verdict(run.probes, probe_cap, tie_bar)
+    failures += probe_fails
     gpu = [s.gpu_mib for s in run.samples if s.gpu_mib is not None]
     rss = [s.rss_mib for s in run.samples if s.rss_mib is not None]
     if gpu and growth(gpu) > GPU_SLACK_MIB:
@@ -502,17 +492,15 @@ def verdict(run: Run, stall_s: float, probe_cap: float = PROBE_NOISE_CAP,
     return summary, failures
 
 
-def judge_probes(probes: list[Probe], cap: float = math.inf,
-                 tie_bar: float | None = None) -> tuple[float, list[dict]]:
+def judge_probes(probes: list[Probe]) -> tuple[float, list[dict]]:
     """(spread, partings): the largest |log-probability difference| from the
     first probe where the tokens agree, and for each later probe whose tokens
-    part from the first's, where, the gap there (the larger of how far each
+    part from the first's, where, and the gap there (the larger of how far each
     probe put the other's token behind its own; None where one of them is not
-    in the other's top) and whether that is a near-tie (a gap within tie_bar,
-    by default twice the spread, the spread taken at most `cap`)."""
+    in the other's top)."""
     if not probes:
         return 0.0, []
-    ref, noise, parted = probes[0], 0.0, []
+    ref, noise, flips = probes[0], 0.0, []
     for p in probes[1:]:
         n = min(len(ref.tokens), len(p.tokens))
         at = next((i for i in range(n) if ref.tokens[i] != p.tokens[i]),
@@ -520,10 +508,8 @@ def judge_probes(probes: list[Probe], cap: float = math.inf,
         agree = range(at if at is not None else n)
         noise = max([noise, *(abs(p.logprobs[i] - ref.logprobs[i]) for i in agree
                               if i < min(len(p.logprobs), len(ref.logprobs)))])
-        if at is not None:
-            parted.append((at, p))
-    flips = []
-    for at, p in parted:
+        if at is None:
+            continue
         gap = None
         if at < len(p.tokens):
             mine, theirs = ref.tokens[at], p.tokens[at]
@@ -531,11 +517,33 @@ def judge_probes(probes: list[Probe], cap: float = math.inf,
                    p.logprob_of(at, theirs), p.logprob_of(at, mine))
             if None not in lps:
                 gap = max(lps[0] - lps[1], lps[2] - lps[3])
-        bar = 2 * min(noise, cap) if tie_bar is None else tie_bar
-        near = gap is not None and gap <= bar
-        flips.append({"token": at, "gap": None if gap is None else round(gap, 4),
-                      "near_tie": near})
+        flips.append({"token": at, "gap": None if gap is None else round(gap, 4)})
     return noise, flips
+
+
+def probe_verdict(probes: list[Probe], cap: float = math.inf, tie_bar: float | None = None
+                  ) -> tuple[float, float, list[dict], list[str]]:
+    """(spread, near-tie bar, partings each marked near_tie or not, failures):
+    the probe passes when its spread is within `cap` and every parting is a
+    near-tie, a gap within tie_bar (by default twice the spread, the spread
+    taken at most `cap`)."""
+    noise, flips = judge_probes(probes)
+    bar = 2 * min(noise, cap) if tie_bar is None else tie_bar
+    for f in flips:
+        f["near_tie"] = f["gap"] is not None and f["gap"] <= bar
+    failures = []
+    if noise > cap:
+        failures.append(f"the greedy probe's log-probabilities moved by {noise:.3f} nats "
+                        f"where its tokens agree (more than {cap:.3f})")
+    changed = [f for f in flips if not f["near_tie"]]
+    if changed:
+        outputs = len({tuple(p.tokens) for p in probes})
+        failures.append(f"the greedy probe changed: {outputs} different outputs over "
+                        f"{len(probes)} probes; first difference at token "
+                        f"{changed[0]['token']} (gap {changed[0]['gap']} nats, "
+                        f"near-tie bar {bar:.4f}; None: a token "
+                        f"outside the other's top {PROBE_TOP})")
+    return noise, bar, flips, failures
 
 
 def tracebacks(log: str) -> list[str]:
@@ -727,10 +735,6 @@ def peer_cap(peer_noise: float) -> float:
     return max(PROBE_NOISE_FLOOR, PEER_FACTOR * peer_noise)
 
 
-def probe_failures(failures: list[str]) -> list[str]:
-    return [f for f in failures if f.startswith("the greedy probe")]
-
-
 def record_head(head: dict, minutes: float, summary: dict, failures: list[str],
                 **extra) -> dict:
     """The record's last line: the run's setting, its verdict."""
@@ -792,7 +796,7 @@ def main() -> int:
         cap = peer_cap(summary["probe_noise_nats"])
         tie_bar = 2 * cap
         # the bar, held to upstream's own path: a bar it fails is miscalibrated
-        own = probe_failures(verdict(peer_run, args.stall_s, cap, tie_bar)[1])
+        own = probe_verdict(peer_run.probes, cap, tie_bar)[3]
         peer = {"path": "upstream: " + " ".join(PEER_ARGS) + " " + " ".join(
                     f"{k}={v}" for k, v in PEER_ENV.items()),
                 "minutes": args.peer_minutes, "probe_outputs": summary["probe_outputs"],

@@ -323,10 +323,12 @@ REF = _probe([1, 2, 3], [-0.1, -0.2, -0.3], {3: -0.3, 9: -0.315, 7: -0.318, 8: -
     # shorter: parted where the first is longer, nothing to excuse it
     (_probe([1, 2], [-0.1, -0.2], {2: -0.2}), False),
 ])
-def test_judge_probes_excuses_only_a_near_tie(other, near):
-    noise, flips = soak.judge_probes([REF, REF, other])
+def test_probe_verdict_excuses_only_a_near_tie(other, near):
+    noise, bar, flips, failures = soak.probe_verdict([REF, REF, other])
     assert len(flips) == 1 and flips[0]["near_tie"] is near
     assert flips[0]["token"] == min(2, len(other.tokens))
+    assert bar == pytest.approx(2 * noise)
+    assert bool(failures) is not near
 
 
 def test_parse_probe_ranks_the_top_by_token_id():
