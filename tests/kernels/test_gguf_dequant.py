@@ -70,17 +70,19 @@ def test_bad_input_is_refused():
     # IQ3_S stays with ggml's grid (prefill and decode the same), Q5_0 with ggml
     assert not mod.supported(int(Q.IQ3_S)) and not mod.supported(int(Q.Q5_0))
     assert mod.supported(q4k)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="Q5_0: no Triton dequantizer"):
         mod.dequantize(torch.zeros(2, 22, dtype=torch.uint8), int(Q.Q5_0), torch.float16)
 
 
 _AOT_SCRIPT = r"""
 import json
+import gguf
 from vllm.model_executor.layers.quantization import gguf_dequant as mod
 from support.aot import AotKernel, compile_for
 out = {}
 kernels = []
-for qtype, (qk, size) in mod.LAYOUT.items():
+for qtype in mod.TYPES:
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
     for ptr in ("*fp16", "*bf16"):
         kernels.append(AotKernel(
             name=f"{qtype.name}-{ptr[1:]}", fn=mod._dequantize_kernel,
@@ -89,7 +91,8 @@ for qtype, (qk, size) in mod.LAYOUT.items():
             constexprs={"QTYPE": int(qtype), "QK": qk, "BYTES": size,
                         "BLOCKS": mod._VALUES_PER_PROGRAM // qk},
             options={"num_warps": 4, "num_stages": 1}))
-for qtype, (qk, size) in mod.IQ_LAYOUT.items():
+for qtype in mod.IQ_TYPES:
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
     for ptr in ("*fp16", "*bf16"):
         kernels.append(AotKernel(
             name=f"{qtype.name}-{ptr[1:]}", fn=mod._dequantize_iq_kernel,

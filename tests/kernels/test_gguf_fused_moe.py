@@ -115,6 +115,7 @@ def test_supported_types_and_shapes():
 
 _AOT_SCRIPT = r"""
 import json
+import gguf
 from vllm.model_executor.layers.quantization import gguf_fused_moe as fmoe
 from support.aot import AotKernel, compile_for
 out = {}
@@ -123,7 +124,8 @@ sig = {"a_ptr": "*fp16", "b_ptr": "*u8", "c_ptr": "*fp16", "weights_ptr": "*fp32
        "expert_ids_ptr": "*i32", "num_padded": "i32",
        "num_rows": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_be": "i64",
        "stride_bn": "i32", "stride_cm": "i32"}
-for qtype, (qk, size) in fmoe.LAYOUT.items():
+for qtype in fmoe.TYPES:
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
     for block_m in (16, 64):
         consts = {"A_ROWS_PER_TOKEN": 8, "MUL_WEIGHT": True, "QTYPE": int(qtype),
                   "SUPER_BYTES": 256 // qk * size, "BLOCK_M": block_m, "BLOCK_N": 64,
