@@ -86,13 +86,16 @@ def model_paths(manifest: dict, model: str, gguf_type: str) -> tuple[Path, Path]
 
 
 def prompts() -> list[list[int]]:
-    """A long prompt (3x index_topk: the indexer's selection matters) and a
-    short one (top-k covers the whole context)."""
+    """A long prompt (3x index_topk: the indexer's selection matters), a
+    short one (top-k covers the whole context) and a middle one. Together
+    (672 tokens, one prefill step) they pass gguf_dispatch's
+    MOE_DEQUANT_MIN_TOKENS (512): the float paths of every GGUF type run in
+    the engine, as in users' prefills, not only ggml's kernels."""
     import random
 
     rng = random.Random(2026)
     lo, hi = models.FIRST_TEXT_TOKEN, models.VOCAB - 1
-    return [[rng.randint(lo, hi) for _ in range(384)], [rng.randint(lo, hi) for _ in range(96)]]
+    return [[rng.randint(lo, hi) for _ in range(n)] for n in (384, 96, 192)]
 
 
 def index_topk(manifest: dict, model: str) -> int:

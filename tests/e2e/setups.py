@@ -48,8 +48,11 @@ def _triton(name: str, dtype: str, held_to: str | None = None, **llm_args) -> En
                        env={"VLLM_DSA_INDEXER_TRITON": "1"}, dtype=dtype, held_to=held_to)
 
 
-# upstream's own sparse path on SM90: FlashMLA + DeepGEMM, bf16 only
+# upstream's own sparse path on SM90: FlashMLA + DeepGEMM, bf16 only, and
+# vLLM 0.23's GGUF kernels (ggml's at every batch size): a defect of the
+# series' float paths is not also in the bar it is held to
 PEER = EngineSetup("flashmla-bf16", {"dtype": "bfloat16", "attention_backend": "FLASHMLA_SPARSE"},
+                   env={"VLLM_GGUF_KERNELS": "upstream"},
                    backend="FLASHMLA_SPARSE", dtype="bfloat16", indexer="deepgemm")
 # what SM120 runs, forced on this GPU
 TRITON_FP16 = _triton("triton-fp16", "float16")

@@ -32,7 +32,7 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup,
         # session: size the KV cache instead of profiling a share of the GPU's
         # memory, and ask for 5 % of it free at start (vLLM checks that share
         # even when the KV cache is sized).
-        # max_num_seqs: the tests send 2 prompts; fewer CUDA graph sizes to
+        # max_num_seqs: the tests send 3 prompts; fewer CUDA graph sizes to
         # capture, CUDA graphs still on.
         "llm": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 30,
                 "gpu_memory_utilization": 0.05, "max_num_seqs": 4,

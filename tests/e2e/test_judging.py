@@ -69,8 +69,9 @@ def test_greedy_miss_counts_only_within_the_near_tie():
     result, over_prompt, oracle = _case(decode_error=0.0, flip_at=5)
     tight = compare(result, over_prompt, oracle, near_tie=0.1)
     loose = compare(result, over_prompt, oracle, near_tie=0.35)
-    share = 1 - 2 / (2 * MAX_TOKENS)  # one miss in each prompt
-    assert abs(tight["greedy"] - share) < 1e-4 and tight["greedy_miss_gaps"] == [0.3, 0.3]
+    share = 1 - 1 / MAX_TOKENS  # one miss in each prompt
+    assert abs(tight["greedy"] - share) < 1e-4
+    assert tight["greedy_miss_gaps"] == [0.3] * len(prompts())
     assert loose["greedy"] == 1.0 and abs(loose["greedy_strict"] - share) < 1e-4
 
 
@@ -84,16 +85,20 @@ def test_non_finite_engine_logprobs_fail():
 def test_figures_apart_where_the_topk_selection_is_active():
     result, over_prompt, oracle = _case(decode_error=0.1, active_error=0.25, full_scale=1.1)
     out = compare(result, over_prompt, oracle, near_tie=0.1, topk=128)
-    long, short = (len(p) for p in prompts())
+    lengths = [len(p) for p in prompts()]
     active, rest = out["topk_active"], out["all_keys"]
-    # position i sees i + 1 keys: the long prompt's last long - 1 - 128
-    assert active["n"] == long - 1 - 128 and rest["n"] == 128 + short - 1
+    # position i sees i + 1 keys: a prompt's last len - 1 - 128 predict with
+    # the selection active
+    assert active["n"] == sum(max(n - 1 - 128, 0) for n in lengths)
+    assert rest["n"] == sum(min(n - 1, 128) for n in lengths)
     assert abs(active["mean"] - 0.25) < 1e-4 and abs(rest["mean"] - 0.05) < 1e-4
     # a scaled, shifted copy: the shift is invisible, the scale is all of it
     assert abs(active["rel"] - 0.1) < 1e-4 and abs(rest["rel"] - 0.1) < 1e-4
-    # decode: the long prompt's generated tokens see > 128 keys, the short's not
+    # decode: the generated tokens of prompts longer than 128 see > 128 keys
     dec = out["decode"]
-    assert dec["topk_active"]["n"] == MAX_TOKENS and dec["all_keys"]["n"] == MAX_TOKENS
+    longer = sum(n > 128 for n in lengths)
+    assert dec["topk_active"]["n"] == longer * MAX_TOKENS
+    assert dec["all_keys"]["n"] == (len(lengths) - longer) * MAX_TOKENS
     assert abs(dec["topk_active"]["rel"] - 0.1) < 1e-4
 
 
@@ -169,8 +174,8 @@ def test_decode_bars_pair_the_continuations_up_to_where_they_part():
     ours, peer, over_prompt, oracle, decode_bars = _parting(at=9)
     unpaired = compare(ours, over_prompt, oracle, near_tie=0.35)
     paired = compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer)
-    assert paired["decode_parted_at"] == [9, 9]
-    assert paired["decode_paired"]["n"] == paired["decode_paired_peer"]["n"] == 2 * 10
+    assert paired["decode_parted_at"] == [9] * len(prompts())
+    assert paired["decode_paired"]["n"] == paired["decode_paired_peer"]["n"] == len(prompts()) * 10
     assert decode_bars(unpaired)
     assert not decode_bars(paired)
     # an error before the continuations part still fails
@@ -183,10 +188,10 @@ def test_decode_bars_do_not_pair_a_few_steps():
     # parted at step 1: two shared steps would let one token decide
     ours, peer, over_prompt, oracle, decode_bars = _parting(at=1)
     out = compare(ours, over_prompt, oracle, near_tie=0.35, peer=peer)
-    assert out["decode_parted_at"] == [1, 1] and "decode_paired" not in out
+    assert out["decode_parted_at"] == [1] * len(prompts()) and "decode_paired" not in out
     assert decode_bars(out) == decode_bars(compare(ours, over_prompt, oracle, near_tie=0.35))
     same = compare(peer, over_prompt, oracle, near_tie=0.35, peer=peer)
-    assert same["decode_parted_at"] == [None, None]
+    assert same["decode_parted_at"] == [None] * len(prompts())
     assert same["decode_paired"] == same["decode"] == same["decode_paired_peer"]
 
 
@@ -249,7 +254,7 @@ def test_decode_bars_take_the_forced_text_where_both_decoded_it():
     result, over_prompt, oracle = _case(decode_error=0.01)
     peer = compare(_forced(result, oracle, 0.01), over_prompt, oracle, near_tie=0.1,
                    forced_oracle=oracle)
-    assert peer["decode_forced"]["n"] == 2 * MAX_TOKENS
+    assert peer["decode_forced"]["n"] == len(prompts()) * MAX_TOKENS
     assert abs(peer["decode_forced"]["mean"] - 0.01) < 1e-4
     hard_text, _, _ = _case(decode_error=0.04)  # its own text: 4x the peer's decode error
     fine = compare(_forced(hard_text, oracle, 0.01), over_prompt, oracle, near_tie=0.1,
