@@ -59,6 +59,10 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import multiprocessing
+import os
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -497,6 +501,58 @@ def judged_peer(engine_runs, manifest, model: str, gguf_type: str) -> dict:
     return peer
 
 
+def judge_file(manifest: dict, model: str, gguf_type: str, runs: dict[str, dict]) -> dict:
+    """judge() on every run of one file that produced output (runs: setup
+    name -> engine result), the peer first: its p90s are the others' near-
+    ties. Returns setup name -> figures."""
+    out = {}
+    peer = runs.get(PEER.name, {})
+    if "prompts" in peer:
+        out[PEER.name] = judge(manifest, model, gguf_type, peer)
+        peer = {**peer, **out[PEER.name]}
+    for path, res in runs.items():
+        if path != PEER.name and "prompts" in res:
+            out[path] = judge(manifest, model, gguf_type, res, peer)
+    return out
+
+
+def _worker_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def judge_all(engine_runs: dict, manifest: dict, workers: int, judge_one=judge_file) -> dict:
+    """Judge every engine run with output before the tests read them, a file
+    per process, workers at a time (the oracles, transformers and llama.cpp,
+    are mostly single-threaded Python on models this small), and add the
+    figures to engine_runs, which evaluate() then uses as they are. A file
+    whose judging raises is left unjudged: evaluate() judges it again in its
+    own test, which fails with the error. Returns (model, GGUF type) -> that
+    error, for files that raised."""
+    files: dict[tuple[str, str], dict[str, dict]] = {}
+    for (model, gguf_type, path), res in engine_runs.items():
+        if "prompts" in res:
+            files.setdefault((model, gguf_type), {})[path] = res
+    errors = {}
+    if not files:
+        return errors
+    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    # spawn: the parent holds a CUDA context (a fork would share it)
+    with ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_worker_threads, initargs=(threads,)) as pool:
+        jobs = {pool.submit(judge_one, manifest, model, gguf_type, runs): (model, gguf_type)
+                for (model, gguf_type), runs in files.items()}
+        for job in as_completed(jobs):
+            model, gguf_type = jobs[job]
+            try:
+                figures = job.result()
+            except Exception:  # noqa: BLE001 - the file's tests judge it again
+                errors[(model, gguf_type)] = traceback.format_exc()
+                continue
+            for path, fig in figures.items():
+                engine_runs[(model, gguf_type, path)].update(fig)
+    return errors
+
+
 def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
              path: str) -> tuple[dict, list[str]]:
     """One case's record row and its failures (empty: passed); path: the
@@ -513,7 +569,7 @@ def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
         # the error's first line in the record; the whole of it in the test's output
         return {**row, "error": res["error"].splitlines()[0], "passed": False}, [res["error"]]
     peer = judged_peer(engine_runs, manifest, model, gguf_type)
-    if setup is not PEER:
+    if setup is not PEER and "vs_transformers" not in res:  # judge_all() did not
         # Ours are held to the peer's near-tie: the same rounding scale.
         res.update(judge(manifest, model, gguf_type, res, peer))
     failures = []

@@ -349,18 +349,21 @@ def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def fp32_greedy(hf_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def fp32_greedy(hf_dir: Path, prompts: list[list[int]], n: int,
+                device: str = "cpu") -> list[list[int]]:
     """The checkpoint's own greedy continuation (n tokens) of each prompt, in
-    fp32: the text every engine path decodes when its decode steps are
-    compared on one text (forced_tokens.py)."""
+    fp32 (on device where it has a GPU): the text every engine path decodes
+    when its decode steps are compared on one text (forced_tokens.py)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu"
     model_class = transformers_class(hf_dir)
     model = model_class.from_pretrained(hf_dir, dtype=torch.float32,
-                                        attn_implementation="eager").eval()
+                                        attn_implementation="eager").to(device).eval()
     out = []
     for prompt in prompts:
         seq = list(prompt)
         for _ in range(n):
-            logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits
+            logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits
             seq.append(int(logits[0, -1].argmax()))
         out.append(seq[len(prompt):])
     return out

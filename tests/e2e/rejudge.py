@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from cases import CASES, model_paths, models_dir
-from judging import evaluate, file_digest
+from judging import evaluate, file_digest, judge_all
 from run_engine import engine_result
 from setups import SETUPS
 
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("engine_dir", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--env", type=Path, required=True, help="the run's E2E_RECORD")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="files judged at once, each in a process (default: half the cores)")
     args = ap.parse_args()
 
     if not args.engine_dir.is_dir():
@@ -102,6 +104,7 @@ def main() -> None:
                          "<GGUF stem>-<path>.json or .out.json of a case); is it pytest's "
                          "engine0 folder of the GPU run?")
     judged = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    judge_all(runs, manifest, args.workers)
     # Written beside the output and moved over it once complete: a rejudge
     # that fails part-way leaves the previous one as it was.
     tmp = args.out.with_name(f".{args.out.name}.tmp")

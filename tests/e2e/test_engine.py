@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cases import CASES, HERE, MAX_TOKENS, model_paths, prompts
-from judging import evaluate
+from judging import evaluate, judge_all
 from models import VOCAB
 from oracles import fp32_greedy
 from run_engine import launch
@@ -61,13 +61,14 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
     gpus = torch.cuda.device_count()
     # Per model (its HF folder), the text every path on its files decodes
     # after its own greedy run (forced_tokens.py): the fp32 checkpoint's greedy
-    # continuation of each prompt, on the CPU. E2E_FORCED_DECODE=0 leaves it out.
+    # continuation of each prompt, on this GPU (TF32 off: torch's default).
+    # E2E_FORCED_DECODE=0 leaves it out.
     forced: dict[Path, list[list[int]]] = {}
     if os.environ.get("E2E_FORCED_DECODE", "1") != "0":
         for model, gguf_type, _ in CASES:
             hf, _ = model_paths(manifest, model, gguf_type)
             if hf not in forced:
-                forced[hf] = fp32_greedy(hf, prompts(), MAX_TOKENS)
+                forced[hf] = fp32_greedy(hf, prompts(), MAX_TOKENS, "cuda")
 
     def one(case):
         model, gguf_type, path = case
@@ -79,7 +80,11 @@ def engine_runs(manifest, tmp_path_factory) -> dict:
 
     workers = int(os.environ.get("E2E_PARALLEL", "6"))
     with ThreadPoolExecutor(workers) as pool:
-        return dict(pool.map(one, CASES))
+        runs = dict(pool.map(one, CASES))
+    # the oracles of every file at once, E2E_PARALLEL processes (one at a
+    # time, they took longer than the engines)
+    judge_all(runs, manifest, workers)
+    return runs
 
 
 @pytest.mark.parametrize("model, gguf_type, path", CASES,

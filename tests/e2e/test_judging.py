@@ -1,16 +1,19 @@
 """judging.py's rules on made-up numbers (CPU): what compare() reports
 for the prompt tokens, the greedy tokens and the decode steps, split by the
-indexer's top-k selection, and what check_bar lets through."""
+indexer's top-k selection, and what check_bar lets through; judge_all()'s
+processes."""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from cases import MAX_TOKENS, prompts
-from judging import check_bar, compare
+from judging import check_bar, compare, judge_all
+from setups import PEER
 
 VOCAB = 512
 
@@ -265,3 +268,38 @@ def test_decode_bars_take_the_forced_text_where_both_decoded_it():
     worse = compare(_forced(result, oracle, 0.04), over_prompt, oracle, near_tie=0.1,
                     forced_oracle=oracle)
     assert [m for m in check_bar(worse, peer) if m.startswith("decode mean")]
+
+
+def _judge_file_standin(manifest, model, gguf_type, runs):
+    """judge_file's contract in a spawned process: figures per setup from
+    the engine result's own numbers, the peer's first; "raise" files fail."""
+    if gguf_type == "raise":
+        raise RuntimeError(f"{model} {gguf_type}: oracle failed")
+    out = {}
+    peer_p90 = runs[PEER.name]["mark"] if PEER.name in runs else None
+    for path, res in runs.items():
+        out[path] = {"vs_transformers": {"mean": res["mark"], "peer_p90": peer_p90},
+                     "pid": os.getpid()}
+    return out
+
+
+def test_judge_all_judges_every_run_with_output_and_leaves_failed_files():
+    runs = {
+        ("glm5", "q4_k_m", PEER.name): {"prompts": [], "mark": 0.5},
+        ("glm5", "q4_k_m", "triton-fp16"): {"prompts": [], "mark": 0.1},
+        ("glm5", "q2_k", PEER.name): {"prompts": [], "mark": 0.7},
+        ("glm5", "q2_k", "triton-fp16"): {"error": "engine failed"},
+        ("glm5", "q2_k", "triton-fp16-tp2"): {"skip": "needs 2 GPUs"},
+        ("dsv32", "raise", PEER.name): {"prompts": [], "mark": 0.3},
+    }
+    errors = judge_all(runs, {}, 2, judge_one=_judge_file_standin)
+    assert runs[("glm5", "q4_k_m", "triton-fp16")]["vs_transformers"] == {
+        "mean": 0.1, "peer_p90": 0.5}
+    assert runs[("glm5", "q2_k", PEER.name)]["vs_transformers"]["mean"] == 0.7
+    # other processes than this one's
+    assert runs[("glm5", "q4_k_m", PEER.name)]["pid"] != os.getpid()
+    # runs without output, and the file whose judging raised, stay as they were
+    assert runs[("glm5", "q2_k", "triton-fp16")] == {"error": "engine failed"}
+    assert runs[("glm5", "q2_k", "triton-fp16-tp2")] == {"skip": "needs 2 GPUs"}
+    assert "vs_transformers" not in runs[("dsv32", "raise", PEER.name)]
+    assert list(errors) == [("dsv32", "raise")] and "oracle failed" in errors[("dsv32", "raise")]
