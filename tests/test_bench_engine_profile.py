@@ -39,6 +39,7 @@ from engine import step_profile as profile
     ("fused_moe_kernel", "GGUF MoE"),
     ("_gguf_moe_gemm_kernel", "GGUF MoE"),
     ("_dequantize_kernel", "GGUF dequantize"),
+    ("_dequantize_iq_kernel", "GGUF dequantize"),
     ("void dequantize_block<32, 2, &dequantize_q8_0, c10::Half>(...)", "GGUF dequantize"),
     ("void mul_mat_q4_K<c10::Half, false>(void const*, ...)", "GGUF linears"),
     ("void mul_mat_vec_q<c10::Half, 256, 8, block_q6_K, 1, &vec_dot_q6_K_q8_1>(...)",

@@ -38,7 +38,7 @@ CATEGORIES = [
                          r"mla.*combine|sparse_attn")),
     ("MLA KV cache write", r"concat_and_cache|reshape_and_cache"),
     # the float paths' dequantization (0024's Triton kernel, ggml's), experts and linears
-    ("GGUF dequantize", r"_dequantize_kernel|dequantize_block"),
+    ("GGUF dequantize", r"_dequantize(_iq)?_kernel|dequantize_block"),
     # routed experts: ggml's kernels, the Triton fused MoE of the float path, 0023's
     ("GGUF MoE", r"\bmoe_q\d|moe_vec_q|fused_moe_kernel|gguf_moe_gemm"),
     ("GGUF linears", r"mul_mat_vec_q|mul_mat_q|quantize_q8_1"),
