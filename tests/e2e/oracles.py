@@ -359,6 +359,13 @@ def fp32_greedy(hf_dir: Path, prompts: list[list[int]], n: int,
     model_class = transformers_class(hf_dir)
     model = model_class.from_pretrained(hf_dir, dtype=torch.float32,
                                         attn_implementation="eager").to(device).eval()
+    return greedy(model, prompts, n)
+
+
+@torch.no_grad()
+def greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """A transformers model's greedy continuation (n tokens) of each prompt."""
+    device = next(model.parameters()).device
     out = []
     for prompt in prompts:
         seq = list(prompt)

@@ -1,0 +1,130 @@
+"""Decode batches of many sequences, in CUDA graphs (GPU).
+
+test_engine.py sends three prompts: its decode batches hold three
+sequences, below gguf_dispatch's DENSE_DEQUANT_MIN_TOKENS, so the linear
+layers decode with ggml's vector kernel there. Users' servers decode dozens
+of sequences a step, in batches vLLM captured in CUDA graphs at start,
+where the linears of the series dequantize and run torch.matmul (a weight's
+float path captured only after it ran outside a graph).
+
+Here batch() prompts of one length decode together: the greedy run, then
+the fp32 greedy text of the file's weights forced (forced_tokens.py), so every path's
+decode steps are on one text, BATCH sequences a step, a size vLLM captured.
+Those steps against transformers in fp32 on the file's own weights (both
+selections, each router near-tie taken as the engine took it:
+judging.routed_alternatives): ours within the suite's decode bars of
+upstream's peer on the same file (1.5x its mean + 0.01, 1.5x its p90).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from cases import model_paths
+from judging import DECODE_MEAN_SLACK, _closest, routed_alternatives
+from models import FIRST_TEXT_TOKEN, VOCAB
+from oracles import generated_logprobs, greedy, transformers_model
+from run_engine import launch
+from setups import PEER, TRITON_FP16
+
+pytestmark = pytest.mark.gpu
+
+FILES = [("glm5", "q4_k_m")]
+PROMPT = 160  # past the test models' index_topk (128): the selection is active
+GENERATED = 12
+PATHS = {"peer": PEER, "fp16": TRITON_FP16}
+
+
+def batch() -> int:
+    """Sequences a step: past the installed wheel's threshold for the
+    linears' float path, a multiple of 8 (vLLM captures those sizes)."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    return max(40, -(-(gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS + 1) // 8) * 8)
+
+
+def batch_prompts(n: int) -> list[list[int]]:
+    rng = random.Random(4040)
+    return [[rng.randint(FIRST_TEXT_TOKEN, VOCAB - 1) for _ in range(PROMPT)]
+            for _ in range(n)]
+
+
+def _case(hf, gguf, setup, prompts, forced) -> dict:
+    n = len(prompts)
+    llm = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 30,
+           "gpu_memory_utilization": 0.05, "max_num_seqs": n,
+           "max_num_batched_tokens": n * PROMPT, "max_logprobs": VOCAB, **setup.llm_args}
+    return {"gguf": str(gguf), "hf": str(hf), "prompts": prompts, "max_tokens": GENERATED,
+            "llm": llm, "full_logprobs": VOCAB, "forced": forced}
+
+
+@pytest.fixture(scope="module", params=FILES, ids=[f"{m}-{t}" for m, t in FILES])
+def runs(request, manifest, tmp_path_factory) -> dict:
+    model, gguf_type = request.param
+    if model not in manifest["models"]:
+        pytest.fail(f"{model} is not among the built models: run `make e2e-models`")
+    hf, gguf = model_paths(manifest, model, gguf_type)
+    prompts = batch_prompts(batch())
+    tf = transformers_model(hf, gguf, "cuda")
+    forced = greedy(tf, prompts, GENERATED)
+    work = tmp_path_factory.mktemp(f"batches-{model}-{gguf_type}")
+
+    def one(name):
+        setup = PATHS[name]
+        case = _case(hf, gguf, setup, prompts, forced)
+        return name, launch(case, work, f"{gguf.stem}-{setup.name}",
+                            dict(os.environ, **setup.env))
+
+    with ThreadPoolExecutor(len(PATHS)) as pool:
+        out = dict(pool.map(one, PATHS))
+    errors = [r["error"] for r in out.values() if "error" in r]
+    if errors:
+        pytest.fail("\n\n".join(errors))
+    topk = json.loads((hf / "config.json").read_text())["index_topk"]
+    for res in out.values():
+        res["figures"] = _forced_figures(tf, prompts, res, topk)
+    del tf
+    torch.cuda.empty_cache()
+    out.update(model=model, gguf_type=gguf_type, prompts=prompts)
+    return out
+
+
+def _forced_figures(tf, prompts, res: dict, topk: int) -> dict:
+    """|d logprob| of each forced token, the engine's decode step against
+    transformers fp32 on the same text."""
+    d = []
+    for p, r in zip(prompts, res["prompts"]):
+        got = torch.tensor(r["forced_logprob"])
+        assert torch.isfinite(got).all(), "engine returned non-finite log-probabilities"
+        rows = torch.cat([r["full"]["prompt"], r["full"]["forced"]])
+        alts, _ = routed_alternatives(tf, p + r["forced"], rows, topk)
+        d.append(_closest([(got - generated_logprobs(a, len(p), r["forced"])).abs()
+                           for a in alts]))
+    d = torch.cat(d)
+    return {"steps": len(d), "mean": round(d.mean().item(), 4),
+            "p90": round(d.quantile(0.9).item(), 4), "max": round(d.max().item(), 4)}
+
+
+def test_the_batch_is_past_the_linears_threshold_and_captured(runs):
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    assert len(runs["prompts"]) >= gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
+    for name in PATHS:
+        assert runs[name]["cuda_graphs"], f"{name}: no CUDA graphs captured"
+        assert all(r["forced"] and len(r["forced"]) == GENERATED
+                   for r in runs[name]["prompts"]), name
+
+
+def test_decode_batches_match_fp32_as_well_as_the_peer(runs):
+    ours, peer = runs["fp16"]["figures"], runs["peer"]["figures"]
+    # the figures of a passing run too (pytest -rA shows them)
+    print(f"{runs['model']} {runs['gguf_type']} decode batch of {len(runs['prompts'])}: "
+          f"{json.dumps({'ours': ours, 'peer': peer})}")
+    assert ours["mean"] <= 1.5 * peer["mean"] + DECODE_MEAN_SLACK, (ours, peer)
+    assert ours["p90"] <= 1.5 * peer["p90"], (ours, peer)
