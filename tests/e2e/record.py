@@ -69,10 +69,30 @@ def _serve(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _decode_batches(rows: list[dict]) -> list[str]:
+    """test_decode_batches.py's rows: many sequences a decode step."""
+    if not rows:
+        return []
+    lines = ["", "## Decode batches (CUDA graphs)", "",
+             ("Every prompt decodes the greedy text of transformers fp32 on the file's weights, "
+              "all of them together each step: mean / p90 / max |d logprob| of those steps "
+              "against transformers fp32; bars: 1.5x the peer's mean + 0.01, 1.5x its p90."), "",
+             "| model | GGUF | sequences a step | steps | ours (triton-fp16) | peer | pass |",
+             "|---|---|---:|---:|---|---|---|"]
+    for r in rows:
+        o, p = r["ours"], r["peer"]
+        lines.append(f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | {o['steps']} | "
+                     f"{o['mean']} / {o['p90']} / {o['max']} | "
+                     f"{p['mean']} / {p['p90']} / {p['max']} | "
+                     f"{'yes' if r['passed'] else 'NO'} |")
+    return lines
+
+
 def render(rows: list[dict]) -> str:
     serve = [r for r in rows if "serve" in r]
-    rows = [r for r in rows if "serve" not in r]
-    first = (rows or serve)[0]
+    batches = [r for r in rows if "decode_batch" in r]
+    rows = [r for r in rows if "serve" not in r and "decode_batch" not in r]
+    first = (rows or serve or batches)[0]
     # records written before the figures were split by top-k selection
     split = any("topk_active" in r.get("vs_transformers", {}) for r in rows)
     lines = [
@@ -129,7 +149,7 @@ def render(rows: list[dict]) -> str:
             + f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | "
             f"{r['start_s']} | {'yes' if r.get('passed') else 'NO'} |"
         )
-    return "\n".join(lines + _serve(serve)) + "\n"
+    return "\n".join(lines + _serve(serve) + _decode_batches(batches)) + "\n"
 
 
 if __name__ == "__main__":

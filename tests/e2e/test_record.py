@@ -39,6 +39,22 @@ def test_serve_rows_get_their_own_table():
             "0.300, 0.500, 0.600, 0.900 | NO |") in tail
 
 
+def test_decode_batch_rows_get_their_own_table():
+    """test_decode_batches.py's rows render apart, after the engine rows,
+    and leave the engine table as it was."""
+    engine = [r for r in (json.loads(line) for line in RESULTS[0].read_text().splitlines()
+                          if line) if "serve" not in r]
+    figures = {"steps": 480, "mean": 0.0034, "p90": 0.0099, "max": 0.0544}
+    row = {"model": "glm5", "gguf_type": "q4_k_m", "decode_batch": 40, "ours": figures,
+           "peer": {**figures, "mean": 0.0411}, "passed": False}
+    text = render(engine[:2] + [row] + engine[2:])
+    assert text.startswith(render(engine).rstrip("\n"))
+    tail = text.split("## Decode batches", 1)[1]
+    assert ("| glm5 | q4_k_m | 40 | 480 | 0.0034 / 0.0099 / 0.0544 | "
+            "0.0411 / 0.0099 / 0.0544 | NO |") in tail
+    assert render([row]).count("## Decode batches") == 1
+
+
 def fake_manifest() -> dict:
     manifest: dict = {"models": {}}
     for model, gguf_type, _ in CASES:
