@@ -7,7 +7,8 @@ and the routed experts dequantize (a group of experts at a time when they
 are large) and run vLLM's Triton fused MoE.
 
 CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream,
-and =fused: gguf_fused_moe's kernel where it decodes the types),
+and =fused: gguf_fused_moe's kernel where it decodes the types; which
+linears a CUDA graph being captured dequantizes),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
 fused_experts (fp64, honouring expert_map), with gguf_dequant's Triton
 kernel for Q8_0, Q4_K and Q6_K in the interpreter, show that every expert is
@@ -15,7 +16,8 @@ dequantized once, its tokens computed by its own group only, and the sum
 equal to the fp64 reference, for one group, several and one expert a group.
 GPU (`-m gpu`): the real kernels through the registered ops, in fp16 and
 bf16, against the fp64 reference of the same blocks: tighter than ggml's
-kernels (which quantize the activations to 8 bits).
+kernels (which quantize the activations to 8 bits); a linear op captured in
+a CUDA graph, with and without a run outside one first, replayed.
 """
 
 from __future__ import annotations
@@ -225,6 +227,40 @@ def test_which_batches_dequantize(monkeypatch):
     assert mod.moe_mmq_min_tokens() == 65  # vLLM 0.23: MMQ above 64 tokens
 
 
+def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
+    """Capturing a CUDA graph, a linear layer takes the float path only for a
+    weight (type, shape, dtype) that ran it outside a graph before, its
+    Triton kernel compiled and its tables on the device; the types
+    ggml_dequantize writes always (compiled ahead); routed experts never."""
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "_DENSE_READY", set())
+    capturing = [False]
+    monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
+    CpuFloatKernels().install(monkeypatch)
+    n, q4k, iq3s = mod.DENSE_DEQUANT_MIN_TOKENS, int(QType.Q4_K), int(QType.IQ3_S)
+    raw, values = random_blocks("Q4_K", (64, HIDDEN), torch.Generator().manual_seed(7))
+    other, _ = random_blocks("Q4_K", (32, HIDDEN), torch.Generator().manual_seed(8))
+    x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(9))
+    capturing[0] = True
+    assert not mod.use_dense_dequant(n, q4k, raw, torch.float32)
+    assert not mod.use_dense_dequant(n, q4k)  # no weight to look up
+    assert mod.use_dense_dequant(n, iq3s, other, torch.float32)
+    capturing[0] = False
+    assert mod.use_dense_dequant(n, q4k, raw, torch.float32)
+    assert_close_to(mod.dense_dequant(x, raw, q4k), x.double() @ values.T, 1e-5, "Q4_K")
+    capturing[0] = True
+    assert mod.use_dense_dequant(n, q4k, raw, torch.float32)
+    assert not mod.use_dense_dequant(n - 1, q4k, raw, torch.float32)
+    assert not mod.use_dense_dequant(n, q4k, raw, torch.float16)  # another kernel
+    assert not mod.use_dense_dequant(n, q4k, other, torch.float32)  # another weight
+    mod.dense_dequant(x, other, q4k)  # in a graph: compiles nothing, readies nothing
+    assert not mod.use_dense_dequant(n, q4k, other, torch.float32)
+    assert not mod.use_moe_dequant(10**6, q4k, q4k)
+    capturing[0] = False
+    assert mod.use_moe_dequant(10**6, q4k, q4k)
+
+
 @pytest.mark.parametrize("switch", ["series", "upstream"])
 def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch):
     """_fused_moe_gguf above the threshold: dequantize + fused MoE, no ggml
@@ -345,6 +381,58 @@ def test_linear_float_path_on_the_gpu(qtype, dtype, monkeypatch):
     torch.cuda.synchronize()
     assert out.dtype == dtype and out.shape == (x.shape[0], 768)
     assert_close_to(out.cpu(), x.double() @ values.T, GPU_TOL[dtype], f"{qtype} {dtype}")
+
+
+# ggml's MMQ quantizes the activations to 8 bits per 32 values
+GGML_TOL = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_linear_float_path_in_a_cuda_graph(qtype, monkeypatch):
+    """A decode batch of DENSE_DEQUANT_MIN_TOKENS captured in a CUDA graph:
+    a weight that never ran outside a graph is captured with ggml's MMQ; one
+    that did, with the float path (no MMQ launched while capturing). Both
+    graphs' replays on new inputs match fp64."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.gguf import fused_mul_mat_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "_DENSE_READY", set())
+    mmq, real_mmq = [], ops.ggml_mul_mat_a8
+    monkeypatch.setattr(ops, "ggml_mul_mat_a8", lambda *a: mmq.append(1) or real_mmq(*a))
+    raw, values = random_blocks(qtype, (768, HIDDEN), torch.Generator().manual_seed(3))
+    w, qt, n = raw.cuda(), int(QType[qtype]), mod.DENSE_DEQUANT_MIN_TOKENS
+    g = torch.Generator().manual_seed(4)
+
+    def fresh() -> torch.Tensor:
+        return torch.randn(n, HIDDEN, generator=g).to(torch.float16).cuda()
+
+    def capture() -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        x = fresh()
+        graph = torch.cuda.CUDAGraph()
+        mmq.clear()
+        with torch.cuda.graph(graph):
+            out = fused_mul_mat_gguf(x, w, qt)
+        return graph, x, out
+
+    ggml_graph, ggml_x, ggml_out = capture()
+    assert mmq, "a weight that never ran outside a graph: ggml's MMQ"
+    fused_mul_mat_gguf(fresh(), w, qt)  # outside a graph: the float path
+    torch.cuda.synchronize()
+    float_graph, float_x, float_out = capture()
+    assert not mmq, "MMQ launched in the graph after the float path ran outside one"
+    for _ in range(2):
+        x = fresh()
+        ggml_x.copy_(x)
+        float_x.copy_(x)
+        ggml_graph.replay()
+        float_graph.replay()
+        torch.cuda.synchronize()
+        ref = x.cpu().double() @ values.T
+        assert_close_to(float_out.cpu(), ref, GPU_TOL[torch.float16], f"{qtype} float path")
+        assert_close_to(ggml_out.cpu(), ref, GGML_TOL, f"{qtype} MMQ")
 
 
 @pytest.mark.gpu
