@@ -129,6 +129,8 @@ def render(rows: list[dict]) -> str:
         + "vs llama.cpp | MTP | vs TP 1 | start s | pass |",
         "|---|---|---|---:|---|---|---|---|---|---:|---|" + ("---|" if split else ""),
     ]
+    if not rows:  # another test's rows alone: the run's header and their tables
+        lines = lines[:4] + [x for x in lines if x.startswith("- judged after the run")]
     blank = "| | | | | |" + (" |" if split else "")
     for r in rows:
         case = f"| {r['model']} | {r['gguf_type']} | {r['path']} | {r.get('tp', 1)} |"
