@@ -7,13 +7,15 @@ of sequences a step, in batches vLLM captured in CUDA graphs at start,
 where the linears of the series dequantize and run torch.matmul (a weight's
 float path captured only after it ran outside a graph).
 
-Here batch() prompts of one length decode together: the greedy run, then
-the fp32 greedy text of the file's weights forced (forced_tokens.py), so every path's
-decode steps are on one text, BATCH sequences a step, a size vLLM captured.
-Those steps against transformers in fp32 on the file's own weights (both
-selections, each router near-tie taken as the engine took it:
-judging.routed_alternatives): ours within the suite's decode bars of
-upstream's peer on the same file (1.5x its mean + 0.01, 1.5x its p90).
+On GLM-5, GLM-5.2 and DeepSeek-V3.2 Q4_K_M, batch() prompts of one length
+decode together: the greedy run, then the greedy text of transformers fp32
+on the file's weights forced (forced_tokens.py), so every path's decode
+steps are on one text, batch() sequences a step, a size vLLM captured.
+Every file's engines start at once. Those steps against transformers in
+fp32 on the file's own weights (both selections, each router near-tie
+taken as the engine took it: judging.routed_alternatives): ours within
+the suite's decode bars of upstream's peer on the same file (1.5x its
+mean + 0.01, 1.5x its p90).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from setups import PEER, TRITON_FP16
 
 pytestmark = pytest.mark.gpu
 
-FILES = [("glm5", "q4_k_m")]
+FILES = [("glm5", "q4_k_m"), ("glm52", "q4_k_m"), ("dsv32", "q4_k_m")]
 PROMPT = 160  # past the test models' index_topk (128): the selection is active
 GENERATED = 12
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
@@ -64,35 +66,43 @@ def _case(hf, gguf, setup, prompts, forced) -> dict:
             "llm": llm, "full_logprobs": VOCAB, "forced": forced}
 
 
-@pytest.fixture(scope="module", params=FILES, ids=[f"{m}-{t}" for m, t in FILES])
-def runs(request, manifest, tmp_path_factory) -> dict:
-    model, gguf_type = request.param
-    if model not in manifest["models"]:
-        pytest.fail(f"{model} is not among the built models: run `make e2e-models`")
-    hf, gguf = model_paths(manifest, model, gguf_type)
+@pytest.fixture(scope="module")
+def runs(manifest, tmp_path_factory) -> dict:
+    """Every file's engines at once (E2E_PARALLEL at a time): (model, gguf
+    type, path) -> engine result; "prompts"; "texts": each file's forced
+    text."""
+    missing = sorted({m for m, _ in FILES} - set(manifest["models"]))
+    if missing:
+        pytest.fail(f"{missing} not among the built models: run `make e2e-models`")
     prompts = batch_prompts(batch())
-    tf = transformers_model(hf, gguf, "cuda")
-    forced = greedy(tf, prompts, GENERATED)
-    work = tmp_path_factory.mktemp(f"batches-{model}-{gguf_type}")
+    work = tmp_path_factory.mktemp("batches")
+    texts, jobs = {}, {}
+    for model, gguf_type in FILES:
+        hf, gguf = model_paths(manifest, model, gguf_type)
+        tf = transformers_model(hf, gguf, "cuda")
+        texts[(model, gguf_type)] = greedy(tf, prompts, GENERATED)
+        del tf
+        for name, setup in PATHS.items():
+            jobs[(model, gguf_type, name)] = (
+                _case(hf, gguf, setup, prompts, texts[(model, gguf_type)]),
+                f"{gguf.stem}-{setup.name}", dict(os.environ, **setup.env))
+    torch.cuda.empty_cache()
 
-    def one(name):
-        setup = PATHS[name]
-        case = _case(hf, gguf, setup, prompts, forced)
-        return name, launch(case, work, f"{gguf.stem}-{setup.name}",
-                            dict(os.environ, **setup.env))
+    def one(item):
+        key, (case, stem, env) = item
+        return key, launch(case, work, stem, env)
 
-    with ThreadPoolExecutor(len(PATHS)) as pool:
-        out = dict(pool.map(one, PATHS))
-    errors = [r["error"] for r in out.values() if "error" in r]
+    with ThreadPoolExecutor(int(os.environ.get("E2E_PARALLEL", "6"))) as pool:
+        out = dict(pool.map(one, jobs.items()))
+    return {**out, "prompts": prompts, "texts": texts}
+
+
+def _file_runs(runs: dict, model: str, gguf_type: str) -> dict:
+    res = {name: runs[(model, gguf_type, name)] for name in PATHS}
+    errors = [r["error"] for r in res.values() if "error" in r]
     if errors:
         pytest.fail("\n\n".join(errors))
-    topk = json.loads((hf / "config.json").read_text())["index_topk"]
-    for res in out.values():
-        res["figures"] = _forced_figures(tf, prompts, res, topk)
-    del tf
-    torch.cuda.empty_cache()
-    out.update(model=model, gguf_type=gguf_type, prompts=prompts)
-    return out
+    return res
 
 
 def _forced_figures(tf, prompts, res: dict, topk: int) -> dict:
@@ -111,25 +121,38 @@ def _forced_figures(tf, prompts, res: dict, topk: int) -> dict:
             "p90": round(d.quantile(0.9).item(), 4), "max": round(d.max().item(), 4)}
 
 
-def test_the_batch_is_past_the_linears_threshold_and_captured(runs):
+PARAMS = pytest.mark.parametrize("model, gguf_type", FILES,
+                                 ids=[f"{m}-{t}" for m, t in FILES])
+
+
+@PARAMS
+def test_the_batch_is_past_the_linears_threshold_and_captured(runs, model, gguf_type):
     from vllm.model_executor.layers.quantization import gguf_dispatch
 
     assert len(runs["prompts"]) >= gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
-    for name in PATHS:
-        assert runs[name]["cuda_graphs"], f"{name}: no CUDA graphs captured"
-        assert all(r["forced"] and len(r["forced"]) == GENERATED
-                   for r in runs[name]["prompts"]), name
+    for name, res in _file_runs(runs, model, gguf_type).items():
+        assert res["cuda_graphs"], f"{name}: no CUDA graphs captured"
+        assert [r["forced"] for r in res["prompts"]] == runs["texts"][(model, gguf_type)], name
 
 
-def test_decode_batches_match_fp32_as_well_as_the_peer(runs, record):
-    ours, peer = runs["fp16"]["figures"], runs["peer"]["figures"]
+@PARAMS
+def test_decode_batches_match_fp32_as_well_as_the_peer(runs, manifest, record, model,
+                                                       gguf_type):
+    res = _file_runs(runs, model, gguf_type)
+    hf, gguf = model_paths(manifest, model, gguf_type)
+    topk = json.loads((hf / "config.json").read_text())["index_topk"]
+    tf = transformers_model(hf, gguf, "cuda")
+    ours, peer = (_forced_figures(tf, runs["prompts"], res[name], topk)
+                  for name in ("fp16", "peer"))
+    del tf
+    torch.cuda.empty_cache()
+    n = len(runs["prompts"])
     passed = (ours["mean"] <= 1.5 * peer["mean"] + DECODE_MEAN_SLACK
               and ours["p90"] <= 1.5 * peer["p90"])
-    record({"model": runs["model"], "gguf_type": runs["gguf_type"],
-            "decode_batch": len(runs["prompts"]), "ours": ours, "peer": peer,
-            "passed": passed})
+    record({"model": model, "gguf_type": gguf_type, "decode_batch": n, "ours": ours,
+            "peer": peer, "passed": passed})
     # the figures of a passing run too (pytest -rA shows them)
-    print(f"{runs['model']} {runs['gguf_type']} decode batch of {len(runs['prompts'])}: "
+    print(f"{model} {gguf_type} decode batch of {n}: "
           f"{json.dumps({'ours': ours, 'peer': peer})}")
-    assert passed, (f"decode steps of {len(runs['prompts'])} sequences: ours {ours}, "
-                    f"peer {peer} (bars: 1.5x its mean + {DECODE_MEAN_SLACK}, 1.5x its p90)")
+    assert passed, (f"decode steps of {n} sequences: ours {ours}, peer {peer} "
+                    f"(bars: 1.5x its mean + {DECODE_MEAN_SLACK}, 1.5x its p90)")
