@@ -142,13 +142,16 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _decode(result: dict, greedy_oracle: list[torch.Tensor], topk: int | None,
-            full: bool, keep: list[int] | None = None, text: str = "generated") -> dict:
+            full: bool, keep: list[int] | None = None, text: str = "generated",
+            prompt_list: list[list[int]] | None = None) -> dict:
     """Decode-step figures of result's generated tokens against the oracle over
     prompt + generated; keep: per prompt, how many leading steps count (their
     prefixes must be the ones greedy_oracle saw); text "forced": the tokens
-    it decoded on the forced text instead (the oracle over prompt + those)."""
+    it decoded on the forced text instead (the oracle over prompt + those);
+    prompt_list: the prompts result ran (default: cases.prompts())."""
     ds, actives, rels = [], [], []
-    for i, (p, r, lp) in enumerate(zip(prompts(), result["prompts"], greedy_oracle)):
+    for i, (p, r, lp) in enumerate(zip(prompt_list or prompts(), result["prompts"],
+                                       greedy_oracle)):
         n = len(r[text]) if keep is None else min(keep[i], len(r[text]))
         gen = r[text][:n]
         got = torch.tensor(r[f"{text}_logprob"][:n])
@@ -259,6 +262,16 @@ def drift(res: dict, base: dict) -> dict:
             "max": round(d.max().item(), 4), "greedy_equal": round(same / total, 4)}
 
 
+def decode_bar(mine: dict, theirs: dict) -> list[str]:
+    """The decode steps' mean and p90 |d logprob| (_decode's figures) against
+    the peer's over the same steps; what fails, as check_bar words it."""
+    bad = []
+    for key, slack in (("mean", 0.01), ("p90", 0.02)):
+        if key in mine and key in theirs and mine[key] > 1.5 * theirs[key] + slack:
+            bad.append(f"decode {key} {mine[key]} > 1.5 x {theirs[key]} + {slack}")
+    return bad
+
+
 def check_bar(ours: dict, peer: dict) -> list[str]:
     bad = []
     if ours["mean"] > 1.5 * peer["mean"] + 0.01:
@@ -280,9 +293,7 @@ def check_bar(ours: dict, peer: dict) -> list[str]:
         mine_d, theirs_d = ours["decode_paired"], ours["decode_paired_peer"]
     else:
         mine_d, theirs_d = ours.get("decode", {}), peer.get("decode", {})
-    for key, slack in (("mean", 0.01), ("p90", 0.02)):
-        if key in mine_d and key in theirs_d and mine_d[key] > 1.5 * theirs_d[key] + slack:
-            bad.append(f"decode {key} {mine_d[key]} > 1.5 x {theirs_d[key]} + {slack}")
+    bad += decode_bar(mine_d, theirs_d)
     for where, o, p in (("", ours, peer), ("decode ", mine_d, theirs_d)):
         for part in ("topk_active", "all_keys"):
             mine, theirs = o.get(part, {}), p.get(part, {})
