@@ -50,42 +50,43 @@ def _greedy_note(rows: list[dict]) -> str:
             "prefix (transformers only)")
 
 
+def _section(title: str, note: str, header: str, align: str, body: list[str]) -> list[str]:
+    """A table of another test's rows under the engine table (none without rows)."""
+    return ["", f"## {title}", "", note, "", header, align, *body] if body else []
+
+
 def _serve(rows: list[dict]) -> list[str]:
     """test_serve.py's rows: `vllm serve` as SM120 users start it."""
-    if not rows:
-        return []
-    lines = ["", "## vllm serve (--dtype float16, the device reported as SM 12.0)", "",
-             ("Greedy tokens of the reply that are transformers fp32's top-1 on the reply's "
-              "own prefix or within the near-tie of it (in parentheses: its top-1 exactly); "
-              "bar: 0.9."), "",
-             ("| model | GGUF | endpoint | prompt tokens | greedy | near-tie (nats) | "
-              "misses (nats) | pass |"),
-             "|---|---|---|---:|---|---:|---|---|"]
+    body = []
     for r in rows:
         misses = ", ".join(f"{g:.3f}" for g in r["greedy_miss_gaps"]) or "none"
-        lines.append(f"| {r['model']} | {r['gguf_type']} | {r['serve']} | "
-                     f"{r['prompt_tokens']} | {r['greedy']:.3f} ({r['greedy_strict']:.3f}) | "
-                     f"{r['near_tie']} | {misses} | {'yes' if r['passed'] else 'NO'} |")
-    return lines
+        body.append(f"| {r['model']} | {r['gguf_type']} | {r['serve']} | "
+                    f"{r['prompt_tokens']} | {r['greedy']:.3f} ({r['greedy_strict']:.3f}) | "
+                    f"{r['near_tie']} | {misses} | {'yes' if r['passed'] else 'NO'} |")
+    return _section(
+        "vllm serve (--dtype float16, the device reported as SM 12.0)",
+        ("Greedy tokens of the reply that are transformers fp32's top-1 on the reply's "
+         "own prefix or within the near-tie of it (in parentheses: its top-1 exactly); "
+         "bar: 0.9."),
+        ("| model | GGUF | endpoint | prompt tokens | greedy | near-tie (nats) | "
+         "misses (nats) | pass |"),
+        "|---|---|---|---:|---|---:|---|---|", body)
 
 
 def _decode_batches(rows: list[dict]) -> list[str]:
     """test_decode_batches.py's rows: many sequences a decode step."""
-    if not rows:
-        return []
-    lines = ["", "## Decode batches (CUDA graphs)", "",
-             ("Every prompt decodes the greedy text of transformers fp32 on the file's weights, "
-              "all of them together each step: mean / p90 / max |d logprob| of those steps "
-              "against transformers fp32; bars: 1.5x the peer's mean + 0.01, 1.5x its p90."), "",
-             "| model | GGUF | sequences a step | steps | ours (triton-fp16) | peer | pass |",
-             "|---|---|---:|---:|---|---|---|"]
-    for r in rows:
-        o, p = r["ours"], r["peer"]
-        lines.append(f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | {o['steps']} | "
-                     f"{o['mean']} / {o['p90']} / {o['max']} | "
-                     f"{p['mean']} / {p['p90']} / {p['max']} | "
-                     f"{'yes' if r['passed'] else 'NO'} |")
-    return lines
+    body = [f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | {r['ours']['steps']} | "
+            + " | ".join(f"{f['mean']} / {f['p90']} / {f['max']}"
+                         for f in (r["ours"], r["peer"]))
+            + f" | {'yes' if r['passed'] else 'NO'} |" for r in rows]
+    return _section(
+        "Decode batches (CUDA graphs)",
+        ("Every prompt decodes the greedy text of transformers fp32 on the file's weights, "
+         "all of them together each step: mean / p90 / max |d logprob| of those steps "
+         "against transformers fp32; bars: 1.5x the peer's mean + 0.01, 1.5x its p90 "
+         "+ 0.02."),
+        "| model | GGUF | sequences a step | steps | ours (triton-fp16) | peer | pass |",
+        "|---|---|---:|---:|---|---|---|", body)
 
 
 def render(rows: list[dict]) -> str:
