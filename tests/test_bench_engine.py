@@ -476,6 +476,34 @@ def test_parse_bench_serve_result():
     assert p["prefill_tok_s"] == pytest.approx(8192.0)
 
 
+def test_each_workload_is_saved_as_it_ends(tmp_path, monkeypatch):
+    """A run cut short after a workload (device time, a lost machine) keeps
+    that workload's figures, not only those of servers that ended."""
+    import argparse
+
+    from engine import run
+
+    real = subprocess.run
+
+    def fake_bench_serve(cmd, **kw):
+        if "--result-dir" not in cmd:  # git, nvidia-smi, series.py
+            return real(cmd, **kw)
+        out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+        out.write_text(json.dumps(BENCH_RESULT))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(run.subprocess, "run", fake_bench_serve)
+    args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
+                              quick=True, budget_s=float("inf"))
+    plan = wl.plan(True, None, ["triton-fp16"], ["concurrent-32"])
+    runner = run.Runner(args, plan)
+    runner.bench(wl.WORKLOADS["concurrent-32"], 8000, tmp_path / "hf",
+                 {"checkpoint": "glm5-tp8", "type": "q4_k_m", "path": "triton-fp16"}, "tag")
+    _, rows = read(runner.folder / "engine.jsonl")
+    assert [(r["table"], r["inputs"]["workload"]) for r in rows] == [("serve", "concurrent-32")]
+    assert rows[0]["figures"]["output_tok_s"] == 1598.4
+    assert (runner.folder / "engine.md").is_file()
+
 VLLM_LOG = """\
 INFO 12-02 10:00:01 [api_server.py:1000] vLLM API server version 0.23.0+dsa.sm120.abcdef12
 (EngineCore_DP0 pid=4242) INFO 12-02 10:00:20 [cuda.py:320] Using AttentionBackendEnum.TRITON_MLA_SPARSE backend.

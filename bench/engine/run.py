@@ -3,7 +3,7 @@
 """The engine benchmark on a GPU: for each file, each path's server in
 turn (never two at once), each workload against it (a warm-up invocation,
 then the measured one), the server's own figures from its log, GPU memory
-from nvidia-smi. The data file is rewritten after every server, so a run
+from nvidia-smi. The data file is rewritten after every workload, so a run
 cut short (device time, --budget-s) keeps what it measured."""
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ class Runner:
                                 "input_len": w.input_len, "output_len": w.output_len,
                                 "concurrency": w.concurrency, "num_prompts": w.num_prompts},
                       **figures)
+        # a run cut short (device time, a lost machine) keeps every measured workload
+        self.save()
 
     # -- paths ----------------------------------------------------------------
 
