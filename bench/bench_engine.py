@@ -11,6 +11,8 @@ scripts/run-bench-engine.sh); its modules are the package bench/engine.
     bench_engine.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
     bench_engine.py profile [--quick] [--files ...] [--paths ...] [--scenarios ...]
                                                 # where a step's time goes (GPU)
+    bench_engine.py recut-profile --traces DIR [--results DIR]
+                                                # engine_profile.jsonl cut again from its traces
     bench_engine.py render [--results DIR] [--check]  # engine.md from engine.jsonl
 
 build-models, build-llama-cpp and pack-llama-src take the pinned llama.cpp
@@ -137,6 +139,25 @@ def cmd_profile(args) -> int:
     return profile.run(args, _files(args), paths, scenarios)
 
 
+def cmd_recut_profile(args) -> int:
+    from benchdata import command_line, repo_state
+    from engine import record
+    from engine import step_profile as profile
+
+    sources = sorted(Path(args.results).glob("*/engine_profile.jsonl"))
+    if not sources:
+        raise SystemExit(f"--results {args.results}: no <card>/engine_profile.jsonl")
+    note = (f"Steps cut again from the run's traces by `{command_line(sys.argv)}` "
+            f"(repo commit {repo_state()['commit']}).")
+    problems = []
+    for src in sources:
+        problems += profile.recut(src, Path(args.traces), note)
+    problems += record.render(Path(args.results))
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def cmd_render(args) -> int:
     from engine import record
 
@@ -203,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(BENCH / "results"))
     p.add_argument("--work", default=str(WORK), help="server logs, traces")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("recut-profile",
+                       help="engine_profile.jsonl's figures cut again from the traces it names")
+    p.add_argument("--traces", required=True, help="folder holding the run's traces")
+    p.add_argument("--results", default=str(BENCH / "results"))
+    p.set_defaults(fn=cmd_recut_profile)
 
     p = sub.add_parser("render", help="engine.md from engine.jsonl")
     p.add_argument("--results", default=str(BENCH / "results"))

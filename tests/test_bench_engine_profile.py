@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchdata import BenchData
+from benchdata import BenchData, read
 from engine import record
 from engine import step_profile as profile
 
@@ -33,6 +33,8 @@ from engine import step_profile as profile
     ("_fp8_paged_mqa_logits_kernel", "indexer: logits"),
     ("void deep_gemm::sm90_fp8_paged_mqa_logits<64u, 128u>(...)", "indexer: logits"),
     ("void vllm::topKPerRowDecode<1024>(...)", "indexer: top-k"),
+    (("void vllm::persistent::persistent_topk_kernel<2048, 4u>(vllm::persistent::"
+      "PersistentTopKParams)"), "indexer: top-k"),
     ("void vllm::concat_and_cache_mla_kernel<c10::Half, c10::Half>(...)", "MLA KV cache write"),
     ("void moe_q4_K<c10::Half, false>(void const*, ...)", "GGUF MoE"),
     ("void moe_vec_q<c10::Half, 256, 32, block_q4_K, 16, &vec_dot_q4_K_q8_1>(...)", "GGUF MoE"),
@@ -77,10 +79,12 @@ class _Trace:
         self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "ts": ts,
                             "dur": dur, "pid": 1, "tid": 1})
 
-    def launch(self, at: float, kernels: list[tuple[str, float, float]]) -> None:
-        """One launch on the CPU at ``at`` (a graph: several kernels)."""
+    def launch(self, at: float, kernels: list[tuple[str, float, float]],
+               api: tuple[str, str] = ("cuda_runtime", "cudaGraphLaunch")) -> None:
+        """One launch on the CPU at ``at`` (a graph: several kernels), through
+        ``api`` (category, name): Triton launches through the driver."""
         self.corr += 1
-        self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch",
+        self.events.append({"ph": "X", "cat": api[0], "name": api[1],
                             "ts": at, "dur": 5, "args": {"correlation": self.corr}})
         for name, ts, dur in kernels:
             self.events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
@@ -110,6 +114,9 @@ def _decode_trace() -> _Trace:
     t.step(p, 500, 1, 4096, 0)
     t.launch(p + 20, [("void mul_mat_q4_K<c10::Half, false>", p + 100, 2000),
                       ("void moe_q4_K<c10::Half, false>", p + 2100, 1000)])
+    # a Triton kernel of the same step, launched through the driver API
+    t.launch(p + 30, [("_dequantize_kernel", p + 3100, 400)],
+             api=("cuda_driver", "cuLaunchKernelEx"))
     # a short request's prefill: not the long prompt's
     t.step(30_000, 100, 1, 16, 0)
     t.launch(30_010, [("nvjet_gemm", 30_050, 10)])
@@ -131,9 +138,10 @@ def test_summary_cuts_the_trace_into_steps():
                                    "category": "sparse attention", "us": 300}
     p = s["prefill"]
     assert p["steps"] == 1 and p["batch"]["ctx_tokens"] == 4096
-    assert p["step_us"] == pytest.approx(3100 - 0)  # start to the MoE kernel's end
-    assert p["gpu_busy_us"] == pytest.approx(3000)
-    assert p["categories_us"] == {"GGUF linears": 2000, "GGUF MoE": 1000}
+    assert p["step_us"] == pytest.approx(3500 - 0)  # start to the last kernel's end
+    assert p["gpu_busy_us"] == pytest.approx(3400)
+    assert p["categories_us"] == {"GGUF linears": 2000, "GGUF MoE": 1000,
+                                  "GGUF dequantize": 400}
 
 
 def test_summary_refuses_a_trace_without_steps():
@@ -274,3 +282,53 @@ def test_profile_names_a_missing_file(tmp_path):
     assert r.returncode != 0
     assert "glm5-tp8/build.json: missing; build the files first" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _stale_record(tmp_path) -> Path:
+    """An engine_profile.jsonl whose rows name a trace under tmp_path/traces
+    and carry figures that are not that trace's."""
+    traces = tmp_path / "traces" / "glm5-tp8-q4_k_m-triton-fp16"
+    traces.mkdir(parents=True)
+    with gzip.open(traces / "worker.pt.trace.json.gz", "wt") as f:
+        json.dump(_decode_trace().dict(), f)
+    data = BenchData("engine_profile", {"date_utc": "2026-12-02 10:00", "card": "NVIDIA H200"})
+    for scenario in ("decode-1-32k", "prefill-16k"):
+        data.row("profile", {"checkpoint": "glm5-tp8", "type": "q4_k_m", "path": "triton-fp16",
+                             "scenario": scenario}, steps=1, step_us=1.0, gpu_busy_us=0.5,
+                 not_gpu_us=0.5, categories_us={}, top_kernels=[],
+                 trace="worker.pt.trace.json.gz", command="vllm serve x.gguf")
+    return data.write(tmp_path / "results" / "nvidia-h200")
+
+
+def test_recut_replaces_the_figures_from_the_traces(tmp_path):
+    path = _stale_record(tmp_path)
+    assert profile.recut(path, tmp_path / "traces", "cut again") == []
+    run, rows = read(path)
+    assert run["notes"][-1] == "cut again"
+    expected = profile.summarize(_decode_trace().dict())
+    for r, kind in zip(rows, ("decode", "prefill")):
+        assert r["figures"]["gpu_busy_us"] == expected[kind]["gpu_busy_us"]
+        assert r["figures"]["categories_us"] == expected[kind]["categories_us"]
+        assert r["figures"]["trace"] == "worker.pt.trace.json.gz"  # kept
+        assert r["figures"]["command"] == "vllm serve x.gguf"
+
+
+def test_recut_names_a_missing_trace_and_keeps_the_file(tmp_path):
+    path = _stale_record(tmp_path)
+    before = path.read_text()
+    problems = profile.recut(path, tmp_path / "elsewhere", "cut again")
+    assert len(problems) == 2
+    assert "trace 'worker.pt.trace.json.gz' not under" in problems[0]
+    assert path.read_text() == before
+
+
+def test_recut_profile_command(tmp_path):
+    _stale_record(tmp_path)
+    cli = Path(__file__).resolve().parents[1] / "bench" / "bench_engine.py"
+    r = subprocess.run([sys.executable, str(cli), "recut-profile", "--traces",
+                        str(tmp_path / "traces"), "--results", str(tmp_path / "results")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "results" / "nvidia-h200" / "engine_profile.md").read_text()
+    assert "| glm5-tp8 q4_k_m | decode-1-32k | triton-fp16 | 3 | 1000.0 | 450.0 | 550.0 |" in md
+    assert "Steps cut again from the run's traces by `" in md

@@ -8,8 +8,9 @@ Scenarios (SCENARIOS): decode of 1 and of 32 sequences whose prompts fill
 a given context (the profile starts once every prompt is prefilled), and
 one long prefill. The worker annotates every step with its batch
 ("execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)");
-every GPU kernel belongs to the step launched last before it (CUDA runtime
-correlation ids: a CUDA graph's kernels share its launch's), and
+every GPU kernel belongs to the step launched last before it (correlation
+ids of its launch, through the CUDA runtime or, for Triton's kernels, the
+driver API: a CUDA graph's kernels share its launch's), and
 to a category (CATEGORIES, by kernel name; kernels launched inside vLLM's
 "gpu_model_runner: sample" scope are the sampler's). Per step kind
 (decode, prefill): the step period (start to next start), the GPU's busy
@@ -32,7 +33,7 @@ from pathlib import Path
 CATEGORIES = [
     ("indexer: K cache write", r"indexer_k_quant|indexer_k_cache"),
     ("indexer: logits", r"mqa_logits"),
-    ("indexer: top-k", (r"topkperrow|top_k_per_row|_prepare_uniform_decode|"
+    ("indexer: top-k", (r"topkperrow|top_k_per_row|persistent_topk|_prepare_uniform_decode|"
                        r"_build_prefill_chunk_metadata")),
     ("sparse attention", (r"sparse_mla|flash_fwd.*mla|sparse_prefill|splitkv_mla|flashmla|"
                          r"mla.*combine|sparse_attn")),
@@ -51,6 +52,7 @@ CATEGORIES = [
      r"cat|index|reduce|memcpy|memset")),
 ]
 _COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 SAMPLER = "sampler"
 OTHER = "other"
 SAMPLE_SCOPE = "gpu_model_runner: sample"
@@ -141,7 +143,9 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
                      and e.get("cat") != "gpu_user_annotation")
     launches = {}  # correlation id -> launch time on the CPU
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        # Triton launches through the driver API (cuLaunchKernel[Ex]), the rest
+        # through the runtime
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e["ts"]
     per_step: list[list[tuple[str, str, float, float]]] = [[] for _ in steps]
     for e in events:
@@ -195,6 +199,41 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
         }
     return out
 
+
+
+def recut(path: Path, traces: Path, note: str) -> list[str]:
+    """Cut again, with this module's rules, the traces that the profile rows
+    of ``path`` (an engine_profile.jsonl) name, found under ``traces``: each
+    row's figures are replaced, the run record is kept and ``note`` added to
+    it. Returns what is wrong (a trace not found, a scenario without its
+    steps); then the file is left as it was."""
+    from benchdata import BenchData, read
+
+    run, rows = read(path)
+    data = BenchData(run["bench"], run["env"])
+    data.figures = dict(run["figures"])
+    data.notes = [*run["notes"], note]
+    problems = []
+    for r in rows:
+        figures = dict(r["figures"])
+        if r["table"] == "profile":
+            found = sorted(Path(traces).rglob(figures.get("trace") or "-"))
+            scenario = SCENARIOS.get(r["inputs"].get("scenario"))
+            where = f"{path.name}: {r['inputs']}"
+            if not found:
+                problems.append(f"{where}: trace {figures.get('trace')!r} not under {traces}")
+            elif scenario is None:
+                problems.append(f"{where}: unknown scenario")
+            else:
+                summary = summarize(load_trace(found[0])).get(scenario.kind)
+                if summary is None:
+                    problems.append(f"{where}: no {scenario.kind} steps in {found[0].name}")
+                else:
+                    figures.update(summary)
+        data.row(r["table"], r["inputs"], **figures)
+    if not problems:
+        data.write(Path(path).parent)
+    return problems
 
 # -- driving a server -----------------------------------------------------------
 
