@@ -142,6 +142,9 @@ def test_summary_cuts_the_trace_into_steps():
     assert p["gpu_busy_us"] == pytest.approx(3400)
     assert p["categories_us"] == {"GGUF linears": 2000, "GGUF MoE": 1000,
                                   "GGUF dequantize": 400}
+    # the driver-launched kernel ran outside any graph; the graphs' did not
+    assert p["outside_graphs_us"] == {"GGUF dequantize": 400}
+    assert d["outside_graphs_us"] == {}
 
 
 def test_summary_refuses_a_trace_without_steps():
@@ -268,7 +271,8 @@ def test_profile_record_renders(tmp_path):
     assert record.render(tmp_path) == []
     md = (folder / "engine_profile.md").read_text()
     assert "| glm5-tp8 q4_k_m | decode-1-32k | triton-fp16 | 3 | 1000.0 | 450.0 | 550.0 |" in md
-    assert "| sparse attention | 300.0 | 30.0 % |" in md
+    assert "| sparse attention | 300.0 | 30.0 % | 0.0 |" in md
+    assert "| GGUF dequantize | 400.0 | 11.4 % | 400.0 |" in md
     assert "4096 prompt tokens" in md
     assert record.render(tmp_path, check=True) == []
 

@@ -162,12 +162,18 @@ def profile_md(run: dict, rows: list[dict]) -> str:
         )  # fmt: skip
         out.append("")
         out += ["## By category (µs per step, share of the step)", ""]
+        out += [("Outside graphs: the part of a category's time launched on its own, not "
+                 "in a captured CUDA graph (in decode, what runs around the model's graph: "
+                 "the logits' projection, the sampler, input preparation)."), ""]
         cats = []
         for i, f in prof:
+            outside = f.get("outside_graphs_us", {})
             for cat, us in f["categories_us"].items():
                 cats.append([f"{i['checkpoint']} {i['type']}", i["scenario"], i["path"], cat,
-                             fmt(us, ".1f"), f"{100 * us / f['step_us']:.1f} %"])
-        out += table(["file", "scenario", "path", "category", "µs", "share"], "llllrr", cats)
+                             fmt(us, ".1f"), f"{100 * us / f['step_us']:.1f} %",
+                             fmt(outside.get(cat, 0.0), ".1f")])
+        out += table(["file", "scenario", "path", "category", "µs", "share",
+                      "outside graphs µs"], "llllrrr", cats)
         out.append("")
         out += ["## Largest kernels", ""]
         top = [[i["scenario"], i["path"], k["category"],

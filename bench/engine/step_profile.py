@@ -53,6 +53,7 @@ CATEGORIES = [
 ]
 _COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+GRAPH_LAUNCH = "cudaGraphLaunch"
 SAMPLER = "sampler"
 OTHER = "other"
 SAMPLE_SCOPE = "gpu_model_runner: sample"
@@ -141,23 +142,26 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
     samples = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e.get("ph") == "X" and e.get("name") == SAMPLE_SCOPE
                      and e.get("cat") != "gpu_user_annotation")
-    launches = {}  # correlation id -> launch time on the CPU
+    launches = {}  # correlation id -> (launch time on the CPU, a CUDA graph's?)
     for e in events:
         # Triton launches through the driver API (cuLaunchKernel[Ex]), the rest
         # through the runtime
         if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e["ts"]
+            launches[e["args"]["correlation"]] = (e["ts"], e.get("name") == GRAPH_LAUNCH)
     per_step: list[list[tuple[str, str, float, float]]] = [[] for _ in steps]
+    eager: list[dict[str, float]] = [{} for _ in steps]  # per category, outside graphs
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
-        t = launches.get(e.get("args", {}).get("correlation"))
+        t, graphed = launches.get(e.get("args", {}).get("correlation"), (None, False))
         i = None if t is None else _within(spans, t)
         if i is None:
             continue
         name = e.get("name", "")
         cat = SAMPLER if _within(samples, t) is not None else category(name)
         per_step[i].append((name, cat, e["ts"], e["ts"] + e["dur"]))
+        if not graphed:
+            eager[i][cat] = eager[i].get(cat, 0.0) + e["dur"]
     out = {}
     for kind in ("decode", "prefill"):
         idx = [i for i, s in enumerate(steps) if s.kind == kind]
@@ -178,11 +182,14 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
         period = sum(periods) / n
         busy = sum(_union([(a, b) for _, _, a, b in per_step[i]]) for i in idx) / n
         cats: dict[str, float] = {}
+        outside: dict[str, float] = {}
         kernels: dict[tuple[str, str], float] = {}
         for i in idx:
             for name, cat, a, b in per_step[i]:
                 cats[cat] = cats.get(cat, 0.0) + (b - a) / n
                 kernels[(name, cat)] = kernels.get((name, cat), 0.0) + (b - a) / n
+            for cat, us in eager[i].items():
+                outside[cat] = outside.get(cat, 0.0) + us / n
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
         out[kind] = {
             "steps": n,
@@ -194,6 +201,10 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
             "not_gpu_us": round(max(period - busy, 0.0), 1),
             "categories_us": {k: round(v, 1) for k, v in sorted(cats.items(),
                                                               key=lambda kv: -kv[1])},
+            # launched on their own, not in a captured CUDA graph (decode: what
+            # runs around the model's graph, the logits' projection among it)
+            "outside_graphs_us": {k: round(v, 1) for k, v in sorted(outside.items(),
+                                                                   key=lambda kv: -kv[1])},
             "top_kernels": [{"kernel": k[0][:120], "category": k[1], "us": round(v, 1)}
                             for k, v in top],
         }
