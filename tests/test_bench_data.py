@@ -161,6 +161,7 @@ def test_every_results_file_is_data_or_rendered_from_it():
         "dsa_indexer": {"dsa_indexer.md"},
         "gguf_gemm": {"gguf_gemm.md"},
         "engine": {"engine.md"},
+        "engine_profile": {"engine_profile.md", "engine_estimate.md"},
     }
     for card in (p for p in benchdata.RESULTS.iterdir() if p.is_dir()):
         data = {p.stem for p in card.glob("*.jsonl")}

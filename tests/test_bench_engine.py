@@ -617,10 +617,13 @@ def test_record_reads_back_and_renders(tmp_path):
 
 
 def test_render_machinery_shape():
-    """engine.md and engine_profile.md plug into bench/render.py's RENDERERS
-    as they are (bench/render.py's renderers())."""
+    """engine.md, engine_profile.md and engine_estimate.md plug into
+    bench/render.py's RENDERERS as they are (bench/render.py's renderers())."""
+    from engine import estimate
+
     expected = {"engine": {"engine.md": record.engine_md},
-                "engine_profile": {"engine_profile.md": record.profile_md}}
+                "engine_profile": {"engine_profile.md": record.profile_md,
+                                   "engine_estimate.md": estimate.estimate_md}}
     assert expected == record.RENDERERS
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 from benchdata import read
 from render import fmt, header, table
 
+from . import estimate
+
 PEER = "flashmla-bf16"
 OURS = "triton-fp16"
 ENGINE_DOC = "../../../docs/performance.md"
@@ -194,16 +196,18 @@ def profile_md(run: dict, rows: list[dict]) -> str:
 
 # bench -> {file: renderer}, in bench/render.py's shape (for its RENDERERS)
 RENDERERS = {"engine": {"engine.md": engine_md},
-             "engine_profile": {"engine_profile.md": profile_md}}
+             "engine_profile": {"engine_profile.md": profile_md,
+                                "engine_estimate.md": estimate.estimate_md}}
 
 
 def render(root: Path, check: bool = False) -> list[str]:
     problems = []
-    sources = [(src, engine_md) for src in sorted(Path(root).glob("*/engine.jsonl"))]
-    sources += [(src, profile_md) for src in sorted(Path(root).glob("*/engine_profile.jsonl"))]
-    for src, renderer in sources:
+    sources = [(src, src.parent / name, renderer)
+               for bench, files in RENDERERS.items()
+               for src in sorted(Path(root).glob(f"*/{bench}.jsonl"))
+               for name, renderer in files.items()]
+    for src, target, renderer in sources:
         run, rows = read(src)
-        target = src.with_suffix(".md")
         content = renderer(run, rows).encode()
         if check:
             if not target.exists() or target.read_bytes() != content:
