@@ -13,7 +13,7 @@ scripts/run-bench-engine.sh); its modules are the package bench/engine.
                                                 # where a step's time goes (GPU)
     bench_engine.py recut-profile --traces DIR [--results DIR]
                                                 # engine_profile.jsonl cut again from its traces
-    bench_engine.py render [--results DIR] [--check]  # engine.md from engine.jsonl
+    bench_engine.py render [--results DIR] [--check]  # engine*.md from their .jsonl
 
 build-models, build-llama-cpp and pack-llama-src take the pinned llama.cpp
 from scripts/ (patchseries): run them with scripts/ on PYTHONPATH, as
