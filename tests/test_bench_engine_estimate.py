@@ -97,6 +97,12 @@ def test_estimate_renders_with_the_profile(tmp_path):
     run, rows = _record("NVIDIA H200")
     md = estimate.estimate_md(run, rows)
     assert "RTX PRO 6000" in md and "| glm5-tp8 q4_k_m | decode-32-32k |" in md
-    assert md.count("| glm5-tp8 q4_k_m |") == 2  # the series' path only
+    summary = md.split("## Per layer")[0]
+    assert summary.count("| glm5-tp8 q4_k_m |") == 2  # the series' path only
+    # per layer: routed experts in MoE layers only, largest category first
+    layers = md.split("## Per layer")[1]
+    assert "| glm5-tp8 q4_k_m | decode-32-32k | GGUF MoE | 0.0 | 350.0 |" in layers
+    assert layers.index("| decode-32-32k | GGUF MoE |") < layers.index(
+        "| decode-32-32k | sparse attention |")
     assert "No card data" in estimate.estimate_md(*_record("Some Other GPU"))
     assert "engine_estimate.md" in record.RENDERERS["engine_profile"]

@@ -161,7 +161,7 @@ def estimate_md(run: dict, rows: list[dict]) -> str:
     """engine_estimate.md: the series' profiled steps as a whole model's
     rank on the target card (rendered with engine_profile.md)."""
     from benchdata import card_slug
-    from render import table
+    from render import fmt, table
 
     target = CARDS[TARGET]
     measured_name = run["env"].get("card", "?")
@@ -181,7 +181,7 @@ def estimate_md(run: dict, rows: list[dict]) -> str:
              f"{'/'.join(f'{b:g}' for b in ALLREDUCE['busbw_gb_s'])} GB/s (low/mid/high "
              f"cost); host {HOST_US:g} µs a step (decode)."), ""]
     prof = [r for r in rows if r["table"] == "profile" and r["inputs"]["path"] == PATH]
-    lines = []
+    lines, per_layer = [], []
     for r in prof:
         i, f = r["inputs"], r["figures"]
         s = specs.SPECS.get(i["checkpoint"])
@@ -198,6 +198,15 @@ def estimate_md(run: dict, rows: list[dict]) -> str:
         else:
             tokens, head, host = int(f["batch"]["gen_requests"]), None, HOST_US
         here = whole_model(s, f, kind, tokens, host, measured, measured, head, case=None)
+        t = layer_times(s, f, head)
+        n_dense, n_moe = REAL_LAYERS[s.name.split("-")[0]]
+        for c in sorted(t["moe"], key=lambda c: -(n_dense * t["dense"][c] + n_moe * t["moe"][c])):
+            total = n_dense * t["dense"][c] + n_moe * t["moe"][c]
+            if total >= 0.01 * here["layers_us"]:
+                per_layer.append([f"{s.name} {i['type']}", i["scenario"], c,
+                                  fmt(t["dense"][c], ".1f"), fmt(t["moe"][c], ".1f"),
+                                  fmt(total / 1e3, ".2f"),
+                                  f"{100 * total / here['layers_us']:.0f} %"])
         # fastest: latency-bound decode kernels, cheap all-reduce; slowest:
         # everything scaled by bandwidth, dear all-reduce
         fast = whole_model(s, f, kind, tokens, host, target, measured, head, 0, True)
@@ -220,4 +229,9 @@ def estimate_md(run: dict, rows: list[dict]) -> str:
                  "compute; the dear all-reduce). Decode tok/s: the batch's tokens a step; "
                  "prefill: the chunk's tokens a step. The third column is the measured card "
                  "at the real layer count, without communication (its host time included).")]
+    out += ["", f"## Per layer on {measured.name} (the layers' share of a real rank's step)", ""]
+    out += table(["file", "scenario", "category", "dense layer µs", "MoE layer µs",
+                  "all layers ms", "share"], "lllrrrr", per_layer)
+    out += ["", ("Categories of at least 1 % of the layers' time, largest first; the "
+                 "profiled card's kernel times, taken apart as the module's docstring says.")]
     return "\n".join(out) + "\n"
