@@ -140,14 +140,15 @@ def cmd_profile(args) -> int:
 
 
 def cmd_recut_profile(args) -> int:
-    from benchdata import command_line, repo_state
+    from benchdata import repo_state
     from engine import record
     from engine import step_profile as profile
 
     sources = sorted(Path(args.results).glob("*/engine_profile.jsonl"))
     if not sources:
         raise SystemExit(f"--results {args.results}: no <card>/engine_profile.jsonl")
-    note = (f"Steps cut again from the run's traces by `{command_line(sys.argv)}` "
+    # the traces' folder is where this machine kept them: not part of the record
+    note = ("Steps cut again from the run's traces by `bench/bench_engine.py recut-profile` "
             f"(repo commit {repo_state()['commit']}).")
     problems = []
     for src in sources:

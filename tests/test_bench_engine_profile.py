@@ -336,3 +336,4 @@ def test_recut_profile_command(tmp_path):
     md = (tmp_path / "results" / "nvidia-h200" / "engine_profile.md").read_text()
     assert "| glm5-tp8 q4_k_m | decode-1-32k | triton-fp16 | 3 | 1000.0 | 450.0 | 550.0 |" in md
     assert "Steps cut again from the run's traces by `" in md
+    assert str(tmp_path) not in md  # where the traces lay is no part of the record

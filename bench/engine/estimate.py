@@ -95,7 +95,6 @@ def layer_times(s: specs.Spec, figures: dict, head_us: float | None = None) -> d
     layer, per MoE layer, the head, and the rest of the step's kernels."""
     cats = figures["categories_us"]
     outside = figures.get("outside_graphs_us", {})
-    graphed = bool(set(cats) - set(outside)) or not outside
     if head_us is None:
         head_us = sum(outside.get(c, 0.0) for c in HEAD_CATS)
         body = {c: us - outside.get(c, 0.0) for c, us in cats.items()}
@@ -115,8 +114,7 @@ def layer_times(s: specs.Spec, figures: dict, head_us: float | None = None) -> d
             dense[c], moe[c] = us * dense_p / lin_w, us * moe_p / lin_w
         else:
             dense[c] = moe[c] = us / s.layers
-    return {"dense": dense, "moe": moe, "head_us": head_us, "rest_us": rest,
-            "graphed": graphed}
+    return {"dense": dense, "moe": moe, "head_us": head_us, "rest_us": rest}
 
 
 def whole_model(s: specs.Spec, figures: dict, kind: str, tokens: int, host_us: float,
