@@ -211,7 +211,6 @@ def summarize(trace: dict, skip_first: int = 2) -> dict:
     return out
 
 
-
 def recut(path: Path, traces: Path, note: str) -> list[str]:
     """Cut again, with this module's rules, the traces that the profile rows
     of ``path`` (an engine_profile.jsonl) name, found under ``traces``: each
@@ -245,6 +244,7 @@ def recut(path: Path, traces: Path, note: str) -> list[str]:
     if not problems:
         data.write(Path(path).parent)
     return problems
+
 
 # -- driving a server -----------------------------------------------------------
 
