@@ -27,7 +27,10 @@ ggml_dequantize's;
 (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused: K-quants, Q8_0 and the IQ
 types of the low-bit files; the fastest of a few tiles, named, and its
 output's distance from the fp16 path's on the same values), where the
-installed wheel has it.
+installed wheel has it; and below the float path the series' decode-batch
+MoE (gguf_decode_moe.py), timed in a CUDA graph as the engine runs it,
+beside ggml's MMQ and vector kernels timed the same way (the fastest of a
+few tiles, named, and its distance from the fp16 path's output).
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
@@ -250,19 +253,60 @@ def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
             "fused_max_diff": _max_diff(best[2](), reference)}
 
 
+def graph_ms(fn) -> float:
+    """Median ms of replaying ``fn()`` captured in a CUDA graph (after a
+    run outside one: kernels compiled, tables made)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=3, rep=30, return_mode="median")
+
+
+# the decode MoE's tiles, (BLOCK_N, warps, stages): the first GEMM's with
+# the default second, then the second's with the first's best
+DECODE_UP_TILES = [(32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 4, 1), (64, 8, 2)]
+DECODE_DOWN_TILES = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 1), (128, 8, 2)]
+# batches up to which the graph-timed kernels run (the float path's are larger)
+GRAPH_MAX_TOKENS = 256
+
+
+def _decode(dmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
+    """The decode MoE at its fastest tiles, in a CUDA graph: ms, the
+    tiles, and its distance from ``reference`` (the fp16 path)."""
+    def run(up, down):
+        return functools.partial(dmoe.fused_moe, x, [(q13, int(t13))], q2, int(t2), wts, ids,
+                                 tiles=(up, down))
+
+    try:
+        default_down = DECODE_DOWN_TILES[0]
+        up = min(DECODE_UP_TILES, key=lambda t: graph_ms(run(t, default_down)))
+        timed = {down: graph_ms(run(up, down)) for down in DECODE_DOWN_TILES}
+        down = min(timed, key=timed.get)
+    except Exception as e:  # a candidate's failure is a finding, not the run's end
+        return {"decode_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"decode_graph_ms": timed[down],
+            "decode_config": "up n{} w{} s{}, down n{} w{} s{}".format(*up, *down),
+            "decode_max_diff": _max_diff(run(up, down)(), reference)}
+
+
 def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
-              shapes: list[str]) -> None:
+              shapes: list[str], types: list[str], skip: set[str]) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
     from vllm.model_executor.layers.fused_moe import fused_experts
     from vllm.model_executor.layers.quantization.gguf import MMQ_QUANT_TYPES
 
     switch = has_dequant_switch()
     fmoe = series_module("gguf_fused_moe")
+    dmoe = series_module("gguf_decode_moe")
     tdq = series_module("gguf_dequant")
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
         for name, t13, t2 in EXPERT_TYPES:
+            if types and name not in types:
+                continue
             if name == "f16":
                 w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=gen,
                                   dtype=torch.float16) / h**0.5
@@ -291,11 +335,24 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 gguf_ms = kernel = engine_ms = mmq_ms = vec_ms = None
                 notes = []
                 fused = {}
-                if q13 is not None and fmoe and fmoe.supported(t13, t2, h, inter):
+                if (q13 is not None and fmoe and "fused" not in skip
+                        and fmoe.supported(t13, t2, h, inter)):
                     fused = _fused(fmoe, x, q13, t13, q2, t2, wts, ids,
                                    fused_experts(x, w13, w2, wts, ids))
                     if "fused_error" in fused:
                         notes.append(f"fused MoE: {fused.pop('fused_error')}")
+                graphs = {}
+                if q13 is not None and n <= GRAPH_MAX_TOKENS:
+                    if dmoe and dmoe.supported(h, inter, t13, t2):
+                        graphs = _decode(dmoe, x, q13, t13, q2, t2, wts, ids,
+                                         fused_experts(x, w13, w2, wts, ids))
+                        if "decode_error" in graphs:
+                            notes.append(f"decode MoE: {graphs.pop('decode_error')}")
+                    if t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES:
+                        graphs["mmq_graph_ms"] = graph_ms(functools.partial(
+                            moe_kernel, "mmq", x, q13, q2, wts, ids, int(t13), int(t2)))
+                    graphs["vec_graph_ms"] = graph_ms(functools.partial(
+                        moe_kernel, "vec", x, q13, q2, wts, ids, int(t13), int(t2)))
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                     kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice
@@ -319,13 +376,16 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                          kernel=kernel, gguf_ms=gguf_ms, f16_fused_ms=f16_ms, engine_ms=engine_ms,
                          mmq_ms=mmq_ms, vec_ms=vec_ms, notes=notes,
                          triton_dequant_ms=tdq_ms, triton_dequant_max_diff=tdq_exact,
-                         dequant_all_ms=dq_ms, **fused,
+                         dequant_all_ms=dq_ms, **fused, **graphs,
                          gguf_tflops=flop / gguf_ms / 1e9 if gguf_ms else None,
                          f16_tflops=flop / f16_ms / 1e9)
                 print(f"moe {shape} {name:8s} {n:6d} tok: gguf {gguf_ms or 0:8.3f} ms ({kernel}) "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms "
                       f"engine {engine_ms or 0:8.3f} ms mmq {mmq_ms or 0:8.3f} ms "
-                      f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms",
+                      f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms "
+                      f"graphs: decode {graphs.get('decode_graph_ms') or 0:7.3f} "
+                      f"mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
+                      f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms",
                       flush=True)
             w13 = w2 = q13 = q2 = None
             torch.cuda.empty_cache()
@@ -367,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--results", default=None, help="results root (default bench/results)")
-    ap.add_argument("--skip", default="", help="comma-separated: moe, dense")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated: moe, dense, fused (the fused MoE's tiles)")
+    ap.add_argument("--types", default="",
+                    help=f"comma-separated expert types (default all: "
+                         f"{', '.join(t[0] for t in EXPERT_TYPES)})")
+    ap.add_argument("--tokens", default="",
+                    help="comma-separated batch sizes (default: by --quick)")
     ap.add_argument("--shapes", default="",
                     help=f"comma-separated MoE shapes (default all: "
                          f"{', '.join(s[0] for s in MOE_SHAPES)})")
@@ -378,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     data = BenchData("gguf_gemm", env)
     tokens = QUICK_TOKENS if args.quick else TOKENS
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     skip = set(filter(None, args.skip.split(",")))
@@ -388,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         if "dense" not in skip:
             bench_dense(data, tokens, gen)
         if "moe" not in skip:
-            bench_moe(data, tokens, gen, list(filter(None, args.shapes.split(","))))
+            bench_moe(data, tokens, gen, list(filter(None, args.shapes.split(","))),
+                      list(filter(None, args.types.split(","))), skip)
     finally:
         data.figures["seconds"] = round(time.time() - t0, 1)
         print(data.write(folder))
