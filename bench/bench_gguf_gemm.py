@@ -27,17 +27,15 @@ ggml_dequantize's;
 (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused: K-quants, Q8_0 and the IQ
 types of the low-bit files; the fastest of a few tiles, named, and its
 output's distance from the fp16 path's on the same values), where the
-installed wheel has it; and below the float path the series' decode-batch
-MoE (gguf_decode_moe.py), timed in a CUDA graph as the engine runs it,
-beside ggml's MMQ and vector kernels timed the same way (the fastest of a
-few tiles, named, and its distance from the fp16 path's output).
+installed wheel has it; and up to GRAPH_MAX_TOKENS ggml's MMQ and vector
+kernels replayed in a CUDA graph, as the engine runs decode batches.
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
 uniform over the experts. Times: median of triton.testing.do_bench after
-a warm-up, CUDA graphs off (these are prefill-size calls; the decode sizes
-are dominated by launch overhead here and are timed for the shape of the
-curve only). Writes bench/results/<card>/gguf_gemm.jsonl (or under
+a warm-up, CUDA graphs off (these are prefill-size calls; the decode
+sizes are dominated by launch overhead there, hence their graph-timed
+columns). Writes bench/results/<card>/gguf_gemm.jsonl (or under
 --results).
 
     PYTHONPATH=tests python bench/bench_gguf_gemm.py [--quick] [--results DIR]
@@ -264,31 +262,8 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=3, rep=30, return_mode="median")
 
 
-# the decode MoE's tiles, (BLOCK_N, warps, stages): the first GEMM's with
-# the default second, then the second's with the first's best
-DECODE_UP_TILES = [(32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 4, 1), (64, 8, 2)]
-DECODE_DOWN_TILES = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 1), (128, 8, 2)]
-# batches up to which the graph-timed kernels run (the float path's are larger)
+# batches up to which ggml's kernels are also timed in CUDA graphs (decode)
 GRAPH_MAX_TOKENS = 256
-
-
-def _decode(dmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
-    """The decode MoE at its fastest tiles, in a CUDA graph: ms, the
-    tiles, and its distance from ``reference`` (the fp16 path)."""
-    def run(up, down):
-        return functools.partial(dmoe.fused_moe, x, [(q13, int(t13))], q2, int(t2), wts, ids,
-                                 tiles=(up, down))
-
-    try:
-        default_down = DECODE_DOWN_TILES[0]
-        up = min(DECODE_UP_TILES, key=lambda t: graph_ms(run(t, default_down)))
-        timed = {down: graph_ms(run(up, down)) for down in DECODE_DOWN_TILES}
-        down = min(timed, key=timed.get)
-    except Exception as e:  # a candidate's failure is a finding, not the run's end
-        return {"decode_error": f"{type(e).__name__}: {str(e)[:200]}"}
-    return {"decode_graph_ms": timed[down],
-            "decode_config": "up n{} w{} s{}, down n{} w{} s{}".format(*up, *down),
-            "decode_max_diff": _max_diff(run(up, down)(), reference)}
 
 
 def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
@@ -299,7 +274,6 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
 
     switch = has_dequant_switch()
     fmoe = series_module("gguf_fused_moe")
-    dmoe = series_module("gguf_decode_moe")
     tdq = series_module("gguf_dequant")
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
@@ -343,11 +317,6 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                         notes.append(f"fused MoE: {fused.pop('fused_error')}")
                 graphs = {}
                 if q13 is not None and n <= GRAPH_MAX_TOKENS:
-                    if dmoe and dmoe.supported(h, inter, t13, t2):
-                        graphs = _decode(dmoe, x, q13, t13, q2, t2, wts, ids,
-                                         fused_experts(x, w13, w2, wts, ids))
-                        if "decode_error" in graphs:
-                            notes.append(f"decode MoE: {graphs.pop('decode_error')}")
                     if t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES:
                         graphs["mmq_graph_ms"] = graph_ms(functools.partial(
                             moe_kernel, "mmq", x, q13, q2, wts, ids, int(t13), int(t2)))
@@ -383,8 +352,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms or 0:7.3f} ms "
                       f"engine {engine_ms or 0:8.3f} ms mmq {mmq_ms or 0:8.3f} ms "
                       f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms "
-                      f"graphs: decode {graphs.get('decode_graph_ms') or 0:7.3f} "
-                      f"mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
+                      f"graphs: mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
                       f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms",
                       flush=True)
             w13 = w2 = q13 = q2 = None

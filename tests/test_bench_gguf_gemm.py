@@ -47,24 +47,21 @@ def test_random_blocks_take_the_rms_asked_for(qtype):
     assert np.sqrt(np.mean(w * w)) == pytest.approx(cols**-0.5, rel=0.1)
 
 
-def test_the_decode_table_holds_the_graph_timed_rows():
-    """Rows timed in CUDA graphs get the decode table, with the faster of
-    ggml's kernels over the decode MoE; rows without (prefill sizes) do not."""
+def test_the_graph_table_holds_the_graph_timed_rows():
+    """Rows timed in CUDA graphs get the decode table (the vector kernel
+    over MMQ); rows without (prefill sizes) do not."""
     import render
 
     inputs = {"shape": "glm5-tp8", "experts": 256, "hidden": 6144, "moe_intermediate": 256,
               "top_k": 8, "type": "q4_k_m"}
     rows = [{"record": "row", "table": "moe", "inputs": {**inputs, "tokens": 32},
              "figures": {"kernel": "mmvq", "gguf_ms": 1.2, "f16_fused_ms": 0.4,
-                         "dequant_all_ms": 2.8,
-                         "decode_graph_ms": 0.1, "decode_config": "up n32 w4 s2, down n64 w4 s2",
-                         "decode_max_diff": 1e-3, "mmq_graph_ms": 0.4, "vec_graph_ms": 1.1}},
+                         "dequant_all_ms": 2.8, "mmq_graph_ms": 0.4, "vec_graph_ms": 1.2}},
             {"record": "row", "table": "moe", "inputs": {**inputs, "tokens": 2048},
              "figures": {"kernel": "mmq", "gguf_ms": 9.3, "f16_fused_ms": 0.9,
                          "dequant_all_ms": 2.8}}]
     text = render.gguf_gemm_md({"env": {}}, rows)
-    decode = [line for line in text.splitlines() if line.startswith("| q4_k_m |")
-              and "up n32" in line]
-    assert decode == [("| q4_k_m | 32 | 0.1 | up n32 w4 s2, down n64 w4 s2 | 1.0e-03 | 0.4 "
-                       "| 1.1 | 4.00 |")]
+    graphed = text.split("Decode batches of glm5-tp8")[1]
+    assert [line for line in graphed.splitlines() if line.startswith("| q4_k_m |")] == [
+        "| q4_k_m | 32 | 0.4 | 1.2 | 3.00 |"]
     assert text.count("Decode batches of glm5-tp8") == 1

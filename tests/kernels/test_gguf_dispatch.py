@@ -8,8 +8,7 @@ are large) and run vLLM's Triton fused MoE.
 
 CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream,
 and =fused: gguf_fused_moe's kernel where it decodes the types; which
-linears a CUDA graph being captured dequantizes; gguf_decode_moe's kernel
-below its threshold),
+linears a CUDA graph being captured dequantizes),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
 fused_experts (fp64, honouring expert_map), with gguf_dequant's Triton
 kernel for Q8_0, Q4_K and Q6_K in the interpreter, show that every expert is
@@ -296,8 +295,7 @@ def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monke
     """VLLM_GGUF_KERNELS=fused: at the float path's threshold the MoE op
     (the split op where gate and up differ) runs the fused kernel where it
     decodes every type and gate and up share one, else the float path; below
-    the threshold the decode kernel or ggml's kernels as without the switch.
-    The result is the layer's."""
+    the threshold ggml's kernels as before. The result is the layer's."""
     from vllm.model_executor.layers.quantization import gguf_fused_moe, gguf_split_moe
     from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
 
@@ -328,67 +326,6 @@ def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monke
         assert err <= 4e-3 * ref.abs().max().item(), (tokens, err)
         assert bool(calls) == (fused and tokens >= 12)
         assert bool(floats.groups) == (not fused and tokens >= 12)
-
-
-def test_which_batches_run_the_decode_kernel(monkeypatch):
-    """Below MOE_DECODE_MAX_TOKENS, fp16/bf16, types it reads; not with
-    VLLM_GGUF_KERNELS=upstream; in a graph being captured only once the
-    types' tables are on the device."""
-    from vllm.model_executor.layers.quantization import gguf_decode_moe
-
-    mod = _module()
-    limit = mod.MOE_DECODE_MAX_TOKENS
-    assert limit <= min(mod.MOE_DEQUANT_MIN_TOKENS, mod.MOE_DEQUANT_MIN_TOKENS_VEC)
-    q4k, q6k, q5k, iq2 = (int(QType[t]) for t in ("Q4_K", "Q6_K", "Q5_K", "IQ2_XXS"))
-    w13 = torch.empty(E, 2 * INTER, 8, dtype=torch.uint8)
-
-    def takes(tokens, t13=q4k, t2=q6k, dtype=torch.float16):
-        x = torch.empty(tokens, HIDDEN, dtype=dtype)
-        return mod.use_moe_decode(x, [(w13, t13)], t2)
-
-    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
-    assert takes(1) and takes(limit - 1) and not takes(limit)
-    assert takes(5, dtype=torch.bfloat16) and not takes(5, dtype=torch.float32)
-    assert takes(5, iq2, q4k) and not takes(5, q5k, q6k) and not takes(5, q4k, q5k)
-    x = torch.empty(5, HIDDEN, dtype=torch.float16)
-    halves = [(w13[:, :INTER], q4k), (w13[:, INTER:], iq2)]
-    assert mod.use_moe_decode(x, halves, q6k)  # the split op's halves
-    assert not mod.use_moe_decode(x, [halves[0], (halves[1][0], q5k)], q6k)
-    capturing = [True]
-    monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
-    monkeypatch.setattr(gguf_decode_moe, "tables_ready", lambda device, *t: iq2 not in t)
-    assert takes(5) and not takes(5, iq2, q4k)
-    monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
-    capturing[0] = False
-    assert not takes(1)
-
-
-@pytest.mark.parametrize("switch", ["series", "upstream"])
-def test_the_moe_op_runs_the_decode_kernel_below_its_threshold(switch, monkeypatch):
-    """_fused_moe_gguf below MOE_DECODE_MAX_TOKENS: the decode kernel, no
-    ggml GEMM; at it (or with VLLM_GGUF_KERNELS=upstream): ggml's."""
-    from vllm.model_executor.layers.quantization import gguf_decode_moe
-    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
-
-    mod = _module()
-    monkeypatch.setenv("VLLM_GGUF_KERNELS", switch)
-    monkeypatch.setattr(mod, "MOE_DECODE_MAX_TOKENS", 3)
-    ggml = CpuGgufMoeOps().install(monkeypatch)
-    calls, real = [], gguf_decode_moe.fused_moe
-    monkeypatch.setattr(gguf_decode_moe, "fused_moe",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    types = ("Q4_K", "Q4_K", "Q6_K")
-    raw, values = experts(types)
-    for tokens in (2, 3):
-        x, topk_weights, topk_ids = batch(tokens, torch.float16, seed=tokens)
-        calls.clear()
-        ggml.calls.clear()
-        out = _fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights, topk_ids,
-                              int(QType.Q4_K), int(QType.Q6_K), "silu")
-        assert_close_to(out, moe_reference(x, *values, topk_weights, topk_ids), 4e-3,
-                        f"{tokens} tokens")
-        decode = switch == "series" and tokens < 3
-        assert bool(calls) == decode and bool(ggml.calls) != decode
 
 
 # ---------------------------------------------------------------------------

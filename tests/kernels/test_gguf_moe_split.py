@@ -79,11 +79,7 @@ def layer_case(types, tokens, dtype, seed, device="cpu"):
 
 def cpu_kernels(monkeypatch, raw, types):
     """The CPU stand-ins, told the values of the given blocks (the rest
-    they dequantize as they come). ggml's kernels at every batch size below
-    the float path: the decode kernel's cases are test_gguf_decode_moe.py's."""
-    from vllm.model_executor.layers.quantization import gguf_dispatch
-
-    monkeypatch.setattr(gguf_dispatch, "MOE_DECODE_MAX_TOKENS", 0)
+    they dequantize as they come)."""
     kernels = CpuGgufMoeOps().install(monkeypatch)
     for r, v, t in zip(raw, experts(types)[1], types, strict=True):
         kernels.known[(r.data_ptr(), int(QType[t]))] = v
