@@ -259,7 +259,7 @@ def graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, warmup=3, rep=30, return_mode="median")
+    return ms(graph.replay)
 
 
 # batches up to which ggml's kernels are also timed in CUDA graphs (decode)
@@ -316,14 +316,12 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                     if "fused_error" in fused:
                         notes.append(f"fused MoE: {fused.pop('fused_error')}")
                 graphs = {}
-                if q13 is not None and n <= GRAPH_MAX_TOKENS:
-                    if t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES:
-                        graphs["mmq_graph_ms"] = graph_ms(functools.partial(
-                            moe_kernel, "mmq", x, q13, q2, wts, ids, int(t13), int(t2)))
-                    graphs["vec_graph_ms"] = graph_ms(functools.partial(
-                        moe_kernel, "vec", x, q13, q2, wts, ids, int(t13), int(t2)))
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
+                    if n <= GRAPH_MAX_TOKENS:
+                        for k in ("mmq", "vec") if has_mmq else ("vec",):
+                            graphs[f"{k}_graph_ms"] = graph_ms(functools.partial(
+                                moe_kernel, k, x, q13, q2, wts, ids, int(t13), int(t2)))
                     kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice
                     vec_fits = n * top_k <= VEC_MAX_ROWS
                     args = (x, q13, q2, wts, ids, int(t13), int(t2), "silu")
