@@ -448,6 +448,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0025": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The generated backend table in the docs moved on.
     "0026": (rb.CONFLICT, "docs/design/attention_backends.md"),
+    # IQ3_S loaded as Q6_K: goes with the loader.
+    "0027": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -78,7 +78,9 @@ def _decode_batches(rows: list[dict]) -> list[str]:
     body = [f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | {r['ours']['steps']} | "
             + " | ".join(f"{f['mean']} / {f['p90']} / {f['max']}"
                          for f in (r["ours"], r["peer"]))
-            + f" | {'yes' if r['passed'] else 'NO'} |" for r in rows]
+            + f" | {'yes' if r['passed'] else 'NO'}"
+            + (f" (judged after the run: {r['judged']})" if "judged" in r else "") + " |"
+            for r in rows]
     return _section(
         "Decode batches (CUDA graphs)",
         ("Every prompt decodes the greedy text of transformers fp32 on the file's weights, "

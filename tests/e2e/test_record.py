@@ -53,6 +53,10 @@ def test_decode_batch_rows_get_their_own_table():
     assert ("| glm5 | q4_k_m | 40 | 480 | 0.0034 / 0.0099 / 0.0544 | "
             "0.0411 / 0.0099 / 0.0544 | NO |") in tail
     assert render([row]).count("## Decode batches") == 1
+    # a row judged after the run says so in its own line
+    later = render([row, {**row, "model": "glm52", "judged": "on CPU"}])
+    assert "| 0.0411 / 0.0099 / 0.0544 | NO |\n| glm52 |" in later
+    assert "| NO (judged after the run: on CPU) |" in later
 
 
 def fake_manifest() -> dict:

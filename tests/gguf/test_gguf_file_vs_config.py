@@ -349,16 +349,20 @@ def test_expert_type_without_a_kernel_is_refused(tmp_path, gguf_files, configs, 
         run_loader(dst, configs("glm"))
 
 
-def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch):
+@pytest.mark.parametrize("kernels", ["series", "upstream"])
+def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch, kernels):
     """vLLM's compiled IQ3_S grid is older than llama.cpp's: the tensors the
-    model reads in that type are named (and only those)."""
+    model reads in that type are named (and only those), with the memory
+    they take as Q6_K (gguf_iq3_s), or with VLLM_GGUF_KERNELS=upstream the
+    error they keep."""
     from types import SimpleNamespace
 
     from vllm.model_executor.model_loader import gguf_dsa
 
     def tensor(name, qtype):
-        return SimpleNamespace(name=name, tensor_type=qtype)
+        return SimpleNamespace(name=name, tensor_type=qtype, n_bytes=110 * 2**20)
 
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", kernels)
     readers = [SimpleNamespace(tensors=[
         tensor("blk.1.ffn_down_exps.weight", QType.IQ3_S),
         tensor("blk.1.ffn_up_exps.weight", QType.IQ3_XXS),
@@ -371,7 +375,11 @@ def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch):
     assert named == ["blk.1.ffn_down_exps.weight"]
     assert len(warnings) == 1
     assert "m.gguf: 1 tensors of type IQ3_S (blk.1.ffn_down_exps.weight)" in warnings[0]
-    assert "15.5 instead of 15" in warnings[0]
+    if kernels == "series":
+        assert "load as Q6_K blocks of the same values, 0.21 GiB instead of 0.11 GiB" in (
+            warnings[0])
+    else:
+        assert "15.5 instead of 15" in warnings[0]
     warnings.clear()
     assert gguf_dsa._warn_iq3_s(["m.gguf"], readers, {"blk.1.ffn_up_exps.weight": "y"}) == []
     assert warnings == []
