@@ -66,6 +66,8 @@ from support.gguf_moe_ref import F16_FIELDS
 EXPERT_TYPES = [
     ("f16", None, None),
     ("q8_0", T.Q8_0, T.Q8_0),
+    ("q6_k", T.Q6_K, T.Q6_K),  # also IQ3_S tensors, which load as Q6_K (0027)
+    ("q5_k_m", T.Q5_K, T.Q6_K),
     ("q4_k_m", T.Q4_K, T.Q6_K),
     ("q4_k", T.Q4_K, T.Q4_K),
     ("q3_k", T.Q3_K, T.Q3_K),
