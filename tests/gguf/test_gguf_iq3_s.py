@@ -198,19 +198,26 @@ def test_iq3_s_gate_with_another_up_type_still_runs_split(tmp_path, glm_q8_0, gl
 
 
 @pytest.mark.gpu
-def test_the_compiled_kernels_read_the_q6_k_blocks_as_llama_cpp_reads_iq3_s():
+def test_the_compiled_kernels_read_the_q6_k_blocks_as_llama_cpp_reads_iq3_s(monkeypatch):
     """On the GPU, where the loader converts: vLLM's compiled ggml_dequantize
     of the Q6_K blocks gives gguf-py's IQ3_S values exactly (its IQ3_S
     decoding does not: tests/kernels/test_gguf_dispatch.py), and its vector
     kernel (int8 activations) stays within 3e-2 of fp64 on those values."""
     from vllm import _custom_ops as ops
+    from vllm.model_executor.model_loader import gguf_iq3_s
     from vllm.model_executor.model_loader.gguf_iq3_s import iq3_s_to_q6_k
 
     rows, cols = 64, 1024
     raw = random_iq3_s(np.random.default_rng(6), rows, blocks=cols // 256)
+    want = torch.from_numpy(values(QType.IQ3_S, raw))
+    # as the loader calls it: CPU tensors, converted on the GPU, a chunk at a time
+    monkeypatch.setattr(gguf_iq3_s, "_CHUNK", 7)
+    on_cpu = iq3_s_to_q6_k(torch.from_numpy(raw))
+    assert on_cpu.device.type == "cpu"
+    assert np.array_equal(values(QType.Q6_K, on_cpu.numpy()), want.numpy())
     q6_k = iq3_s_to_q6_k(torch.from_numpy(raw).cuda())
     assert q6_k.is_cuda and q6_k.dtype == torch.uint8
-    want = torch.from_numpy(values(QType.IQ3_S, raw))
+    assert torch.equal(q6_k.cpu(), on_cpu)
     out = ops.ggml_dequantize(q6_k, int(QType.Q6_K), rows, cols, torch.float32)
     assert torch.equal(out.cpu(), want)
     x = torch.randn(1, cols, dtype=torch.float16, device="cuda")
