@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from cases import model_paths
-from judging import _decode, decode_bar, routed_alternatives
+from judging import _decode, decode_bar, file_digest, routed_alternatives
 from models import FIRST_TEXT_TOKEN, VOCAB
 from oracles import greedy, transformers_model
 from run_engine import launch
@@ -143,8 +143,10 @@ def test_decode_batches_match_fp32_as_well_as_the_peer(runs, manifest, record, m
     torch.cuda.empty_cache()
     n = len(runs["prompts"])
     failures = decode_bar(ours, peer)
+    # the file's digest: a rejudging on another machine must read the same bytes
+    # (K-quant files built on another CPU differ)
     record({"model": model, "gguf_type": gguf_type, "decode_batch": n, "ours": ours,
-            "peer": peer, "passed": not failures})
+            "peer": peer, "passed": not failures, "gguf_sha256": file_digest(gguf)})
     # the figures of a passing run too (pytest -rA shows them)
     print(f"{model} {gguf_type} decode batch of {n}: "
           f"{json.dumps({'ours': ours, 'peer': peer})}")
