@@ -172,3 +172,22 @@ def gguf_files(
         assert path.is_file(), f"converter wrote no {path.name}"
         files[(name, variant)] = path
     return files
+
+
+@pytest.fixture(scope="session")
+def glm_config(checkpoints):
+    """A fresh config of the tiny GLM-5, as vLLM reads it, on each call."""
+    from vllm.transformers_utils.config import get_config
+
+    return lambda: get_config(checkpoints["glm"].path, trust_remote_code=False)
+
+
+@pytest.fixture(scope="session")
+def glm_q8_0(gguf_files):
+    """The tiny GLM-5's Q8_0 file (experts all Q8_0), to retype tensors of."""
+    import gguf
+
+    src = gguf.GGUFReader(gguf_files[("glm", "q8_0")])
+    assert {t.tensor_type for t in src.tensors if "_exps" in t.name} == {
+        gguf.GGMLQuantizationType.Q8_0}
+    return src

@@ -23,20 +23,6 @@ GATE = "model.layers.1.mlp.experts.0.gate_proj.weight"
 UP = "model.layers.1.mlp.experts.0.up_proj.weight"
 
 
-@pytest.fixture(scope="module")
-def glm_config(checkpoints):
-    from vllm.transformers_utils.config import get_config
-
-    return lambda: get_config(checkpoints["glm"].path, trust_remote_code=False)
-
-
-@pytest.fixture(scope="module")
-def glm_q8_0(gguf_files):
-    src = gguf.GGUFReader(gguf_files[("glm", "q8_0")])
-    assert {t.tensor_type for t in src.tensors if "_exps" in t.name} == {QType.Q8_0}
-    return src
-
-
 @pytest.mark.parametrize("up_type", [QType.Q4_0, QType.Q6_K, QType.IQ4_XS], ids=lambda t: t.name)
 def test_gate_and_up_experts_of_different_types_load_split(
     tmp_path, glm_q8_0, glm_config, up_type

@@ -17,19 +17,22 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from gguf_checks import run_loader, write_gguf
+from support.gguf_moe_ref import random_blocks
 
 IQ3_S_BYTES = gguf.GGML_QUANT_SIZES[QType.IQ3_S][1]
 Q6_K_BYTES = gguf.GGML_QUANT_SIZES[QType.Q6_K][1]
 
 
 def random_iq3_s(rng: np.random.Generator, *lead: int, blocks: int) -> np.ndarray:
-    """Fresh random IQ3_S rows [*lead, blocks * 110]: random bytes, the
-    block scale d a random fp16 of either sign, some zero and subnormal."""
-    raw = rng.integers(0, 256, size=(*lead, blocks, IQ3_S_BYTES), dtype=np.uint8)
-    d = rng.normal(0.0, 0.02, size=(*lead, blocks)).astype(np.float16)
-    flat = d.reshape(-1)
-    flat[1::7] = 0.0
-    flat[3::11] = np.float16(3e-7)  # subnormal
+    """Fresh random IQ3_S rows [*lead, blocks * 110] (support.gguf_moe_ref's
+    random blocks), some block scales d zero or subnormal, some negative."""
+    seed = int(rng.integers(2**31))
+    raw, _ = random_blocks("IQ3_S", (*lead, blocks * 256), torch.Generator().manual_seed(seed))
+    raw = raw.numpy().reshape(*lead, blocks, IQ3_S_BYTES).copy()
+    d = raw[..., :2].copy().view(np.float16).reshape(-1)
+    d[1::3] = -d[1::3]
+    d[1::7] = 0.0
+    d[3::11] = np.float16(3e-7)  # subnormal
     raw[..., :2] = d.view(np.uint8).reshape(*lead, blocks, 2)
     return raw.reshape(*lead, blocks * IQ3_S_BYTES)
 
@@ -125,6 +128,10 @@ def test_the_stream_retypes_iq3_s_tensors_only(monkeypatch):
     assert out["b.qweight"] is other and out["c.weight"] is stream[4][1]
     assert np.array_equal(values(QType.Q6_K, out["a.qweights_proj.qweight"].numpy()),
                           values(QType.IQ3_S, rows.numpy()))
+    # a tensor the caller keeps (float-only layers, which gguf-py dequantizes)
+    kept = dict(iq3_s_as_q6_k(iter(stream), keep={"a.qweights_proj.qweight_type"}))
+    assert int(kept["a.qweights_proj.qweight_type"]) == QType.IQ3_S
+    assert kept["a.qweights_proj.qweight"] is rows
 
 
 # what llama.cpp's IQ2/IQ3 mixtures put in IQ3_S, in the test model: routed
@@ -132,18 +139,6 @@ def test_the_stream_retypes_iq3_s_tensors_only(monkeypatch):
 IQ3_S_TENSORS = ("blk.1.ffn_gate_exps.weight",
                  "blk.1.ffn_up_shexp.weight", "blk.1.attn_q_a.weight",
                  "blk.1.indexer.attn_k.weight", "token_embd.weight", "output.weight")
-
-
-@pytest.fixture(scope="module")
-def glm_q8_0(gguf_files):
-    return gguf.GGUFReader(gguf_files[("glm", "q8_0")])
-
-
-@pytest.fixture(scope="module")
-def glm_config(checkpoints):
-    from vllm.transformers_utils.config import get_config
-
-    return lambda: get_config(checkpoints["glm"].path, trust_remote_code=False)
 
 
 def iq3_s_file(path, reader, names, retype=None):
@@ -169,7 +164,7 @@ def test_an_iq3_s_file_loads_as_q6_k_value_for_value(tmp_path, monkeypatch, glm_
     for gguf_name, (_, rows) in blocks.items():
         name = loaded.name_map[gguf_name]
         tensor = loaded.tensors[name].numpy()
-        if name not in loaded.qtypes:  # a float-only layer: gguf-py's values either way
+        if name not in loaded.qtypes:  # float-only: gguf-py dequantizes the IQ3_S blocks
             assert np.array_equal(tensor, values(QType.IQ3_S, rows)), name
             continue
         if kernels == "upstream":  # vLLM 0.23's load: the file's bytes
