@@ -357,6 +357,7 @@ def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch, kernels):
     error they keep."""
     from types import SimpleNamespace
 
+    from vllm import logger as vllm_logger
     from vllm.model_executor.model_loader import gguf_dsa
 
     def tensor(name, qtype):
@@ -370,14 +371,19 @@ def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch, kernels):
     ])]
     name_map = {"blk.1.ffn_down_exps.weight": "x", "blk.1.ffn_up_exps.weight": "y"}
     warnings = []
-    monkeypatch.setattr(gguf_dsa.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    monkeypatch.setattr(gguf_dsa.logger, "warning",
+                        lambda *a, **_: warnings.append(a[0] % a[1:]))
+    vllm_logger._print_warning_once.cache_clear()  # once per process: start afresh
     named = gguf_dsa._warn_iq3_s(["m.gguf"], readers, name_map)
     assert named == ["blk.1.ffn_down_exps.weight"]
+    # the loader maps a file's names more than once: one warning a file
+    assert gguf_dsa._warn_iq3_s(["m.gguf"], readers, name_map) == named
     assert len(warnings) == 1
     assert "m.gguf: 1 tensors of type IQ3_S (blk.1.ffn_down_exps.weight)" in warnings[0]
     if kernels == "series":
-        assert "load as Q6_K blocks of the same values, 0.21 GiB instead of 0.11 GiB" in (
+        assert "load as Q6_K blocks of the same values, 210.0 MiB instead of 110.0 MiB" in (
             warnings[0])
+        assert gguf_dsa._size(3 * 2**30) == "3.00 GiB"
     else:
         assert "15.5 instead of 15" in warnings[0]
     warnings.clear()
