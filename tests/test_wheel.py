@@ -49,3 +49,30 @@ def test_compiled_ops_come_from_the_pinned_wheel(installed):
     # they are in the package users install.
     for so in ("_C.abi3.so", "_C_stable_libtorch.abi3.so", "_moe_C.abi3.so", "_flashmla_C.abi3.so"):
         assert (installed / so).stat().st_size > 1_000_000, so
+
+
+def test_every_module_the_series_adds_imports_first():
+    """Each module the series adds, and the GGUF op module whose imports
+    they join, imported first in a fresh interpreter, as a script or a
+    benchmark imports it: no import cycle (0027's top-level import of
+    gguf_dispatch made `import ...quantization.gguf` fail so)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
+    added = subprocess.run(
+        ["git", "-C", str(VLLM_SRC), "diff", "--name-only", "--diff-filter=A",
+         f"{UPSTREAM_TAG}..HEAD", "--", "vllm/*.py"],
+        capture_output=True, text=True, check=True).stdout.split()
+    modules = [p.removesuffix(".py").replace("/", ".") for p in added
+               if not p.endswith("__init__.py")]
+    modules.append("vllm.model_executor.layers.quantization.gguf")
+    assert len(modules) > 5
+
+    def first_import(module):
+        run = subprocess.run([sys.executable, "-c", f"import {module}"],
+                             capture_output=True, text=True)
+        return module, run.returncode, run.stderr.strip().splitlines()[-1:]
+
+    with ThreadPoolExecutor(2) as pool:
+        failed = [r for r in pool.map(first_import, modules) if r[1] != 0]
+    assert not failed, failed
