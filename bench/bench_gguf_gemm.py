@@ -18,7 +18,8 @@ prefill):
   kernels from a batch size on);
 - ``dense``: one GGUF linear layer (``_fused_mul_mat_gguf``) likewise:
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
-  the engine's choice.
+  the engine's choice (up to GRAPH_MAX_TOKENS also replayed in a CUDA graph,
+  as decode batches run it).
 
 Both also time the series' Triton dequantizer of the float paths
 (gguf_dequant.py: Q8_0, Q4_K, Q6_K) and record how far its values are from
@@ -90,6 +91,9 @@ DENSE_SHAPES = [
     ("o_proj (8 x 256 -> 6144)", 6144, 2048),
     ("dense gate_up (6144 -> 2 x 1536)", 3072, 6144),
     ("dense down (1536 -> 6144)", 6144, 1536),
+    # the whole vocabulary (TP 1; a TP-8 rank holds an eighth): outside the
+    # CUDA graphs, the largest GGUF weight a step reads
+    ("lm_head (6144 -> 154,880)", 154880, 6144),
 ]
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
@@ -381,11 +385,15 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                 engine_ms = (ms(torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
                              if switch else None)
                 f16_ms = ms(torch.matmul, x, w.T)
+                graphed = {}
+                if n <= GRAPH_MAX_TOKENS and switch:  # as decode batches run it
+                    graphed["engine_graph_ms"] = graph_ms(functools.partial(
+                        torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype)))
                 data.row("dense", {"shape": shape, "out": out, "in": inp, "type": qtype.name,
                                    "tokens": n},
                          gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms,
                          engine_ms=engine_ms, triton_dequant_ms=tdq_ms,
-                         triton_dequant_max_diff=tdq_exact)
+                         triton_dequant_max_diff=tdq_exact, **graphed)
                 print(f"dense {shape} {qtype.name:7s} {n:6d} tok: gguf {gguf_ms:8.3f} ms "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms "
                       f"engine {engine_ms or 0:8.3f} ms", flush=True)

@@ -456,17 +456,24 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
     dense = rows_of(rows, "dense")
     if dense:
         out += ["", "## Linear layers (GLM-5, one TP-8 rank)", ""]
+        # runs since the engine's path was also graph-timed: one more column
+        graphed = any("engine_graph_ms" in m for _, m in dense)
+        if graphed:
+            out += [("Engine (graph): the engine's choice replayed in a CUDA graph, as "
+                     "decode batches run it (up to 256 tokens)."), ""]
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
-             "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)"],
-            "llrrrrrrrrr",
+             "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
+             *(["engine (graph)"] if graphed else [])],
+            "llrrrrrrrrr" + ("r" if graphed else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
               fmt((m["dequant_ms"] + m["f16_matmul_ms"]) / m["gguf_ms"], ".2f"),
               fmt(m.get("engine_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f"),
-              _triton_dequant(m)]
+              _triton_dequant(m),
+              *([fmt(m.get("engine_graph_ms"), ".4g")] if graphed else [])]
              for i, m in dense],
         )  # fmt: skip
     return "\n".join(out + footer("gguf_gemm")) + "\n"

@@ -65,3 +65,18 @@ def test_the_graph_table_holds_the_graph_timed_rows():
     assert [line for line in graphed.splitlines() if line.startswith("| q4_k_m |")] == [
         "| q4_k_m | 32 | 0.4 | 1.2 | 3.00 |"]
     assert text.count("Decode batches of glm5-tp8") == 1
+
+
+def test_the_linear_table_shows_graph_timed_rows_only_in_runs_that_have_them():
+    import render
+
+    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K"}
+    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05}
+    old = [{"record": "row", "table": "dense", "inputs": {**inputs, "tokens": 32},
+            "figures": figures}]
+    assert "engine (graph)" not in render.gguf_gemm_md({"env": {}}, old)
+    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "tokens": 8},
+                  "figures": {**figures, "engine_graph_ms": 0.0297}}]
+    rows = [line for line in render.gguf_gemm_md({"env": {}}, new).splitlines()
+            if line.startswith("| o_proj |")]
+    assert rows[0].endswith("|  |") and rows[1].endswith("| 0.0297 |")
