@@ -383,7 +383,7 @@ def test_iq3_s_tensors_are_named_in_a_warning(monkeypatch, kernels):
     if kernels == "series":
         assert "load as Q6_K blocks of the same values, 210.0 MiB instead of 110.0 MiB" in (
             warnings[0])
-        assert gguf_dsa._size(3 * 2**30) == "3.00 GiB"
+        assert gguf_dsa._size(3 * 2**30) == "3.0 GiB"
     else:
         assert "15.5 instead of 15" in warnings[0]
     warnings.clear()
