@@ -28,8 +28,11 @@ ggml_dequantize's;
 (gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused: K-quants, Q8_0 and the IQ
 types of the low-bit files; the fastest of a few tiles, named, and its
 output's distance from the fp16 path's on the same values), where the
-installed wheel has it; and up to GRAPH_MAX_TOKENS ggml's MMQ and vector
-kernels replayed in a CUDA graph, as the engine runs decode batches.
+installed wheel has it; the layer as the engine runs Q4_K, Q4_0 and Q8_0
+experts, repacked for vLLM's Marlin MoE kernel (gguf_marlin_moe.py, 0028;
+its distance from the fp16 path's output), where the wheel has it; and up
+to GRAPH_MAX_TOKENS ggml's MMQ and vector kernels (and the Marlin layer)
+replayed in a CUDA graph, as the engine runs decode batches.
 
 Weights are random GGUF blocks with every block scale set to a finite
 value (the kernels' speed does not depend on the values); routing is
@@ -257,6 +260,29 @@ def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
             "fused_max_diff": _max_diff(best[2](), reference)}
 
 
+def marlin_layer(gm, q13, t13, q2, t2, e: int, h: int, inter: int):
+    """A GGUFMoEMethod-like layer of these experts repacked by the series'
+    gguf_marlin_moe (what the engine runs for them), or None where it does
+    not repack them."""
+    import types
+
+    from vllm.model_executor.layers.fused_moe import MoEActivation
+
+    layer = torch.nn.Module()
+    for name, q, t, shape in (("w13", q13, t13, (e, 2 * inter, h)),
+                              ("w2", q2, t2, (e, h, inter))):
+        p = torch.nn.Parameter(q.clone(), requires_grad=False)  # the repack replaces it
+        p.tensor_shape = shape
+        setattr(layer, f"{name}_qweight", p)
+        qt = torch.nn.Parameter(torch.tensor([int(t)], dtype=torch.uint8), requires_grad=False)
+        qt.weight_type = int(t)
+        setattr(layer, f"{name}_qweight_type", qt)
+    layer.moe_config = types.SimpleNamespace(is_act_and_mul=True)
+    layer.params_dtype = torch.float16
+    layer.activation = MoEActivation.SILU
+    return layer if gm.repack_layer(layer) else None
+
+
 def graph_ms(fn) -> float:
     """Median ms of replaying ``fn()`` captured in a CUDA graph (after a
     run outside one: kernels compiled, tables made)."""
@@ -281,6 +307,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     switch = has_dequant_switch()
     fmoe = series_module("gguf_fused_moe")
     tdq = series_module("gguf_dequant")
+    gm = series_module("gguf_marlin_moe")
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -300,6 +327,9 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                 q2 = random_blocks(t2, h, inter, gen, (e,), rms=inter**-0.5)
                 w13, w2 = dequant(q13, t13, h), dequant(q2, t2, inter)
             dq_ms = tdq_ms = tdq_exact = None
+            marlin = None
+            if q13 is not None and gm and "marlin" not in skip:
+                marlin = marlin_layer(gm, q13, t13, q2, t2, e, h, inter)
             if q13 is not None:
                 dq_ms = ms(_dequant_layer, q13, t13, h, q2, t2, inter)
                 if tdq and tdq.supported(t13) and tdq.supported(t2):
@@ -322,6 +352,13 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                     if "fused_error" in fused:
                         notes.append(f"fused MoE: {fused.pop('fused_error')}")
                 graphs = {}
+                if marlin is not None:
+                    ref = fused_experts(x, w13, w2, wts, ids)
+                    fused["marlin_ms"] = ms(gm.apply, marlin, x, wts, ids)
+                    fused["marlin_max_diff"] = _max_diff(gm.apply(marlin, x, wts, ids), ref)
+                    if n <= GRAPH_MAX_TOKENS:
+                        graphs["marlin_graph_ms"] = graph_ms(
+                            functools.partial(gm.apply, marlin, x, wts, ids))
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                     if n <= GRAPH_MAX_TOKENS:
@@ -357,9 +394,11 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                       f"engine {engine_ms or 0:8.3f} ms mmq {mmq_ms or 0:8.3f} ms "
                       f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms "
                       f"graphs: mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
-                      f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms",
+                      f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms "
+                      f"marlin {fused.get('marlin_ms') or 0:8.3f} ms "
+                      f"(graph {graphs.get('marlin_graph_ms') or 0:7.3f})",
                       flush=True)
-            w13 = w2 = q13 = q2 = None
+            w13 = w2 = q13 = q2 = marlin = None
             torch.cuda.empty_cache()
 
 
@@ -404,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--results", default=None, help="results root (default bench/results)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated: moe, dense, fused (the fused MoE's tiles)")
+                    help="comma-separated: moe, dense, fused (the fused MoE's tiles), "
+                         "marlin (the Marlin repack of Q4_K/Q4_0/Q8_0 experts)")
     ap.add_argument("--types", default="",
                     help=f"comma-separated expert types (default all: "
                          f"{', '.join(t[0] for t in EXPERT_TYPES)})")

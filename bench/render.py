@@ -400,6 +400,13 @@ def _fused(m: dict) -> str:
     return f"{m['fused_ms']:.4g} ({m['fused_config']}, diff {m['fused_max_diff']:.1e})"
 
 
+def _marlin(m: dict) -> str:
+    """The Marlin repack's time and distance from the fp16 path."""
+    if m.get("marlin_ms") is None:
+        return ""
+    return f"{m['marlin_ms']:.4g} (diff {m['marlin_max_diff']:.1e})"
+
+
 def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
     out = ["# GGUF matrix kernels against fp16 weights through the float kernels", "",
            *header(run), "",
@@ -416,18 +423,23 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "values relative to the largest value. Fused (Triton): the series' fused MoE "
             "(gguf_fused_moe.py, VLLM_GGUF_KERNELS=fused), which reads the GGUF blocks in its "
             "GEMMs, at its fastest "
-            "tile, with its largest difference from the fp16 path's output. Median ms.")]
+            "tile, with its largest difference from the fp16 path's output. Marlin (runs "
+            "since it exists): the layer as the engine runs Q4_K, Q4_0 and Q8_0 experts, "
+            "repacked for vLLM's Marlin MoE kernel (gguf_marlin_moe.py), with its largest "
+            "difference from the fp16 path's output. Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)
         out += ["", (f"## Routed experts, {shape}: {first['experts']} experts, hidden "
                      f"{first['hidden']}, moe_intermediate {first['moe_intermediate']}, "
                      f"top-{first['top_k']}"), ""]
+        marlin = any("marlin_ms" in m for i, m in moe if i["shape"] == shape)
         out += table(
             ["type", "tokens", "kernel", "GGUF", "fp16", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "GGUF TFLOP/s", "engine", "GGUF / engine",
-             "MMQ", "vector", "dequantize (Triton)", "fused (Triton)", "notes"],
-            "lrlrrrrrrrrrrrrl",
+             "MMQ", "vector", "dequantize (Triton)", "fused (Triton)",
+             *(["Marlin"] if marlin else []), "notes"],
+            "lrlrrrrrrrrrrrr" + ("r" if marlin else "") + "l",
             [[i["type"], f"{i['tokens']:,}", fmt(m.get("kernel")), fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_fused_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["f16_fused_ms"] if m.get("gguf_ms") else None, ".2f"),
@@ -438,19 +450,23 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") and m.get("gguf_ms")
                   else None, ".2f"),
               fmt(m.get("mmq_ms"), ".4g"), fmt(m.get("vec_ms"), ".4g"),
-              _triton_dequant(m), _fused(m), "; ".join(m.get("notes") or [])]
+              _triton_dequant(m), _fused(m), *([_marlin(m)] if marlin else []),
+              "; ".join(m.get("notes") or [])]
              for i, m in moe if i["shape"] == shape],
         )  # fmt: skip
         graphed = [(i, m) for i, m in moe if i["shape"] == shape and m.get("vec_graph_ms")]
         if graphed:
-            out += ["", (f"Decode batches of {shape}: ggml's MMQ and vector kernels replayed in a "
-                         "CUDA graph, as the engine runs them. Median ms."), ""]
+            also = " and the Marlin repack" if marlin else ""
+            out += ["", (f"Decode batches of {shape}: ggml's MMQ and vector kernels{also} "
+                         "replayed in a CUDA graph, as the engine runs them. Median ms."), ""]
             out += table(
-                ["type", "tokens", "MMQ", "vector", "vector / MMQ"], "lrrrr",
+                ["type", "tokens", "MMQ", "vector", "vector / MMQ",
+                 *(["Marlin"] if marlin else [])], "lrrrr" + ("r" if marlin else ""),
                 [[i["type"], f"{i['tokens']:,}", fmt(m.get("mmq_graph_ms"), ".4g"),
                   fmt(m["vec_graph_ms"], ".4g"),
                   fmt(m["vec_graph_ms"] / m["mmq_graph_ms"] if m.get("mmq_graph_ms") else None,
-                      ".2f")]
+                      ".2f"),
+                  *([fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
                  for i, m in graphed],
             )  # fmt: skip
     dense = rows_of(rows, "dense")

@@ -319,11 +319,12 @@ def test_workload_matrix():
     assert [w[n].input_len for n in prefill] == [4096, 16384, 65536]
     assert all(w[n].output_len == 1 for n in prefill)
     full = wl.plan(False)
-    assert full["paths"] == ["triton-fp16", "triton-fp16-ggml", "triton-fp16-fused",
-                             "auto-sm120", "flashmla-bf16", "llama.cpp"]
+    assert full["paths"] == ["triton-fp16", "triton-fp16-nomarlin", "triton-fp16-ggml",
+                             "triton-fp16-fused", "auto-sm120", "flashmla-bf16", "llama.cpp"]
     # one variable at a time: the GGUF kernel choice is all that tells these apart
     ours = wl.PATHS["triton-fp16"]
-    for name, choice in (("triton-fp16-ggml", "upstream"), ("triton-fp16-fused", "fused")):
+    for name, choice in (("triton-fp16-nomarlin", "ggml"), ("triton-fp16-ggml", "upstream"),
+                         ("triton-fp16-fused", "fused")):
         assert wl.PATHS[name].args == ours.args
         assert dict(ours.env, VLLM_GGUF_KERNELS=choice) == wl.PATHS[name].env
     assert wl.max_model_len(full["workloads"]) == 132096

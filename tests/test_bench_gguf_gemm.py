@@ -80,3 +80,28 @@ def test_the_linear_table_shows_graph_timed_rows_only_in_runs_that_have_them():
     rows = [line for line in render.gguf_gemm_md({"env": {}}, new).splitlines()
             if line.startswith("| o_proj |")]
     assert rows[0].endswith("|  |") and rows[1].endswith("| 0.0297 |")
+
+
+def test_the_marlin_columns_appear_only_in_runs_that_measured_it():
+    """Runs before 0028 render as they did; a run with the Marlin repack
+    gets its column in both MoE tables, empty for types it does not take."""
+    import render
+
+    inputs = {"shape": "glm5-tp8", "experts": 256, "hidden": 6144, "moe_intermediate": 256,
+              "top_k": 8, "tokens": 32}
+    figures = {"kernel": "mmvq", "gguf_ms": 1.2, "f16_fused_ms": 0.4, "dequant_all_ms": 2.8,
+               "mmq_graph_ms": 0.4, "vec_graph_ms": 1.2}
+    old = [{"record": "row", "table": "moe", "inputs": {**inputs, "type": "q4_k_m"},
+            "figures": figures}]
+    assert "Marlin" not in render.gguf_gemm_md({"env": {}}, old).split("Median ms.")[1]
+    new = old + [{"record": "row", "table": "moe", "inputs": {**inputs, "type": "q4_k"},
+                  "figures": {**figures, "marlin_ms": 0.336, "marlin_max_diff": 5e-4,
+                              "marlin_graph_ms": 0.216}}]
+    text = render.gguf_gemm_md({"env": {}}, new)
+    main, graphed = text.split("Decode batches of glm5-tp8")
+    q4_k = [line for line in main.splitlines() if line.startswith("| q4_k |")]
+    assert q4_k and q4_k[0].endswith("| 0.336 (diff 5.0e-04) |  |")
+    q4_k_m = [line for line in main.splitlines() if line.startswith("| q4_k_m |")]
+    assert q4_k_m[0].endswith("|  |  |")
+    assert [line for line in graphed.splitlines() if line.startswith("| q4_k |")] == [
+        "| q4_k | 32 | 0.4 | 1.2 | 3.00 | 0.216 |"]

@@ -450,6 +450,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0026": (rb.CONFLICT, "docs/design/attention_backends.md"),
     # IQ3_S loaded as Q6_K: goes with the loader.
     "0027": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The Marlin repack of GGUF experts: goes with the loader.
+    "0028": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -85,6 +85,10 @@ PATHS = {
                  "(VLLM_GGUF_KERNELS=upstream: ggml's kernels at every batch size)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "upstream"}),
+        VllmPath("triton-fp16-nomarlin", "the series' path without the Marlin repack of "
+                 "Q4_K/Q4_0/Q8_0 routed experts (VLLM_GGUF_KERNELS=ggml)",
+                 ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
+                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "ggml"}),
         VllmPath("triton-fp16-fused", "the series' path with the fused GGUF MoE for "
                  "prefill-size batches (VLLM_GGUF_KERNELS=fused, experimental)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
@@ -98,8 +102,8 @@ PATHS = {
 }
 LLAMA_CPP = "llama.cpp"
 QUICK_PATHS = ["triton-fp16", "flashmla-bf16", LLAMA_CPP]
-FULL_PATHS = ["triton-fp16", "triton-fp16-ggml", "triton-fp16-fused", "auto-sm120",
-              "flashmla-bf16", LLAMA_CPP]
+FULL_PATHS = ["triton-fp16", "triton-fp16-nomarlin", "triton-fp16-ggml", "triton-fp16-fused",
+              "auto-sm120", "flashmla-bf16", LLAMA_CPP]
 
 # (checkpoint, GGUF type) pairs of a full run, and of --quick
 FULL_FILES = [

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""GGUF routed experts repacked for vLLM's Marlin MoE (gguf_marlin_moe.py).
+
+CPU: the integer weights and group scales of each type, with the
+activations as the Marlin weight reads them (Q4_K's min-term columns, from
+the Triton kernel in the interpreter), give x @ W.T of gguf-py's values;
+the input kernel writes every column (poisoned output); which layers run
+Marlin (types, shapes, dtype, VLLM_GGUF_KERNELS).
+GPU (`-m gpu`): a layer repacked by repack_layer and run through the
+registered op (the engine's path), in fp16 and bf16, against the fp64
+reference of the same blocks, also replayed in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from support.gguf_moe_ref import moe_reference, random_blocks
+
+E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
+# Marlin's integer offset of each type: uint4 (zero point 0), uint4b8, uint8b128
+OFFSET = {"Q4_K": 0, "Q4_0": 8, "Q8_0": 128}
+
+
+def _module():
+    from vllm.model_executor.layers.quantization import gguf_marlin_moe
+
+    return gguf_marlin_moe
+
+
+@pytest.mark.parametrize("type_name,k", [("Q4_K", 256), ("Q4_K", 768), ("Q4_0", 96),
+                                         ("Q4_0", 128), ("Q8_0", 160)])
+def test_operand_and_input_give_the_gguf_product(type_name, k):
+    gm = _module()
+    g = torch.Generator().manual_seed(k)
+    raw, values = random_blocks(type_name, (64, k), g)
+    qtype = QType[type_name]
+    q, scales = gm.marlin_operand(raw, qtype, k, torch.float16)
+    kp = gm.marlin_k(qtype, k)
+    assert q.shape == (64, kp) and scales.shape == (kp // 32, 64) and kp % 64 == 0
+    w = (q.double() - OFFSET[type_name]) * scales.t().double().repeat_interleave(32, 1)
+    x = torch.randn(5, k, generator=g).half()
+    xa = gm.marlin_input(x, qtype, kp)
+    assert xa.shape == (5, kp)
+    got, want = xa.double() @ w.t(), x.double() @ values.t()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    # Q4_0 and Q8_0 are exact; Q4_K rounds d * sc and the group sums to fp16
+    assert err < (1e-3 if type_name == "Q4_K" else 1e-12), err
+
+
+def test_q4_k_decoder_gives_gguf_values():
+    gm = _module()
+    raw, values = random_blocks("Q4_K", (16, 512), torch.Generator().manual_seed(3))
+    q, sc, m, d, dmin = gm.decode_q4_k(raw)
+    scale = (d.double()[..., None] * sc.double()).repeat_interleave(32, -1).view(16, 512)
+    minus = (dmin.double()[..., None] * m.double()).repeat_interleave(32, -1).view(16, 512)
+    assert torch.equal(scale * q.double() - minus, values)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15 and int(m.max()) <= 63
+
+
+@pytest.mark.parametrize("k", [256, 512, 1280])
+def test_q4_k_input_kernel_writes_every_column(k):
+    gm = _module()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).half()
+    kp = gm.marlin_k(QType.Q4_K, k)
+    out = torch.full((3, kp), float("nan"), dtype=torch.float16)
+    n_super = k // 256
+    gm._q4_k_input_kernel[(3, n_super + 1)](
+        x, out, x.stride(0), out.stride(0), n_super, kp, PAD=gm.TILE
+    )
+    want = torch.zeros(3, kp, dtype=torch.float16)
+    body = want[:, : n_super * 288].view(3, n_super, 288)
+    xs = x.view(3, n_super, 256)
+    body[..., :256] = xs
+    sums = xs.view(3, n_super, 8, 32).float().sum(-1)
+    body[..., 256:264] = (-sums).half()
+    body[..., 264:272] = (-8 * sums).half()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    gm = _module()
+    platform = types.SimpleNamespace(is_cuda=lambda: True, has_device_capability=lambda c: True)
+    monkeypatch.setattr(gm, "current_platform", platform)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    return gm
+
+
+@pytest.mark.parametrize("w13,w2,hidden,inter,dtype,want", [
+    ("Q4_K", "Q4_K", 6144, 256, torch.float16, True),    # GLM-5 TP-8
+    ("Q4_K", "Q8_0", 7168, 256, torch.bfloat16, True),   # DeepSeek-V3.2 TP-8
+    ("Q4_0", "Q8_0", 512, 96, torch.float16, True),      # K of w2 padded to 128
+    ("Q4_K", "Q6_K", 6144, 256, torch.float16, False),   # Q6_K has no Marlin format
+    ("IQ4_XS", "Q4_K", 6144, 256, torch.float16, False),
+    ("Q4_K", "Q4_K", 6144, 256, torch.float32, False),
+    ("Q4_K", "Q4_K", 6144, 160, torch.float16, False),   # Q4_K rows of 256
+    ("Q8_0", "Q8_0", 512, 48, torch.float16, False),     # gate/up rows not a multiple of 64
+])
+def test_which_layers_run_marlin(on_cuda, w13, w2, hidden, inter, dtype, want):
+    assert on_cuda.usable(QType[w13], QType[w2], hidden, inter, dtype) is want
+
+
+@pytest.mark.parametrize("choice,want", [("series", True), ("ggml", False),
+                                         ("upstream", False), ("fused", False)])
+def test_vllm_gguf_kernels_choice(on_cuda, monkeypatch, choice, want):
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", choice)
+    assert on_cuda.usable(QType.Q4_K, QType.Q4_K, 6144, 256, torch.float16) is want
+
+
+def test_no_marlin_without_cuda(monkeypatch):
+    gm = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU answer")
+    assert not gm.usable(QType.Q4_K, QType.Q4_K, 6144, 256, torch.float16)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _layer(w13_type, w2_type, dtype, seed):
+    from vllm.model_executor.layers.fused_moe import MoEActivation
+
+    g = torch.Generator().manual_seed(seed)
+    r13, v13 = random_blocks(w13_type, (E, 2 * INTER, HIDDEN), g)
+    r2, v2 = random_blocks(w2_type, (E, HIDDEN, INTER), g)
+    layer = torch.nn.Module()
+    for name, raw, qtype, shape in (("w13", r13, w13_type, (E, 2 * INTER, HIDDEN)),
+                                    ("w2", r2, w2_type, (E, HIDDEN, INTER))):
+        p = torch.nn.Parameter(raw.cuda(), requires_grad=False)
+        p.tensor_shape = shape
+        setattr(layer, f"{name}_qweight", p)
+        t = torch.nn.Parameter(torch.tensor([QType[qtype]], dtype=torch.uint8),
+                               requires_grad=False)
+        t.weight_type = int(QType[qtype])
+        setattr(layer, f"{name}_qweight_type", t)
+    layer.moe_config = types.SimpleNamespace(is_act_and_mul=True)
+    layer.params_dtype = dtype
+    layer.activation = MoEActivation.SILU
+    return layer, v13[:, :INTER], v13[:, INTER:], v2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w13_type,w2_type,dtype", [
+    ("Q4_K", "Q4_K", torch.float16), ("Q8_0", "Q8_0", torch.float16),
+    ("Q4_0", "Q4_K", torch.float16), ("Q4_K", "Q8_0", torch.bfloat16),
+])
+def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
+    gm = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    layer, gate, up, down = _layer(w13_type, w2_type, dtype, seed=7)
+    assert gm.repack_layer(layer)
+    assert layer.w13_qweight.dtype == torch.int32
+    g = torch.Generator().manual_seed(11)
+    for tokens in (1, 7, 64, 300):
+        x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+        topk_ids = torch.rand(tokens, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
+        topk_weights = torch.rand(tokens, TOP_K, generator=g) + 0.1
+        ref = moe_reference(x.double(), gate, up, down, topk_weights.double(), topk_ids)
+        out = gm.apply(layer, x.cuda(), topk_weights.cuda(), topk_ids.cuda())
+        assert out.shape == x.shape and out.dtype == dtype
+        assert torch.isfinite(out).all()
+        err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+        # fp16: group scales and partial sums rounded once; bf16 rounds to 8 bits
+        assert err < (4e-3 if dtype == torch.float16 else 3e-2), (tokens, err)
+
+
+@pytest.mark.gpu
+def test_marlin_layer_in_a_cuda_graph(monkeypatch):
+    gm = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    layer, *_ = _layer("Q4_K", "Q4_K", torch.float16, seed=5)
+    assert gm.repack_layer(layer)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, HIDDEN, generator=g).half().cuda()
+    ids = torch.rand(16, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32).cuda()
+    w = (torch.rand(16, TOP_K, generator=g) + 0.1).cuda()
+    eager = gm.apply(layer, x, w, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gm.apply(layer, x, w, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gm.apply(layer, x, w, ids)
+    x.copy_(torch.randn(16, HIDDEN, generator=g).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, eager)
+    torch.testing.assert_close(out, gm.apply(layer, x, w, ids), rtol=0, atol=0)
