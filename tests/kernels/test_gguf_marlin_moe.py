@@ -89,6 +89,7 @@ def on_cuda(monkeypatch):
     gm = _module()
     platform = types.SimpleNamespace(is_cuda=lambda: True, has_device_capability=lambda c: True)
     monkeypatch.setattr(gm, "current_platform", platform)
+    monkeypatch.setattr(gm, "_has_marlin_moe", lambda: True)
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     return gm
 
@@ -112,6 +113,11 @@ def test_which_layers_run_marlin(on_cuda, w13, w2, hidden, inter, dtype, want):
 def test_vllm_gguf_kernels_choice(on_cuda, monkeypatch, choice, want):
     monkeypatch.setenv("VLLM_GGUF_KERNELS", choice)
     assert on_cuda.usable(QType.Q4_K, QType.Q4_K, 6144, 256, torch.float16) is want
+
+
+def test_no_marlin_where_the_wheel_lacks_its_kernels(on_cuda, monkeypatch):
+    monkeypatch.setattr(on_cuda, "_has_marlin_moe", lambda: False)
+    assert not on_cuda.usable(QType.Q4_K, QType.Q4_K, 6144, 256, torch.float16)
 
 
 def test_no_marlin_without_cuda(monkeypatch):
@@ -196,3 +202,17 @@ def test_marlin_layer_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     assert not torch.equal(out, eager)
     torch.testing.assert_close(out, gm.apply(layer, x, w, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_is_gptqs_for_the_repack_op(bits):
+    """The operand of gptq_marlin_repack is GPTQ's packing (vLLM's own
+    gptq_pack): consecutive K values in an int32, low bits first."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack
+
+    gm = _module()
+    g = torch.Generator().manual_seed(bits)
+    n, k = 64, 128
+    q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32)
+    want = gptq_pack(q.t().contiguous(), bits, k, n)
+    assert torch.equal(gm._pack_k(q, bits), want.to(torch.int32))
