@@ -62,7 +62,7 @@ import triton.testing
 from gguf import GGMLQuantizationType as T
 
 from benchdata import BenchData, environment, results_dir
-from support.gguf_moe_ref import F16_FIELDS
+from support.gguf_moe_ref import F16_FIELDS, gguf_moe_layer
 
 # (gate/up type, down type) as users' files pair them: Q4_K_M's experts
 # take Q6_K for some layers' down projections (use_more_bits); the dynamic
@@ -260,26 +260,11 @@ def _fused(fmoe, x, q13, t13, q2, t2, wts, ids, reference) -> dict:
             "fused_max_diff": _max_diff(best[2](), reference)}
 
 
-def marlin_layer(gm, q13, t13, q2, t2, e: int, h: int, inter: int):
-    """A GGUFMoEMethod-like layer of these experts repacked by the series'
-    gguf_marlin_moe (what the engine runs for them), or None where it does
-    not repack them."""
-    import types
-
-    from vllm.model_executor.layers.fused_moe import MoEActivation
-
-    layer = torch.nn.Module()
-    for name, q, t, shape in (("w13", q13, t13, (e, 2 * inter, h)),
-                              ("w2", q2, t2, (e, h, inter))):
-        p = torch.nn.Parameter(q.clone(), requires_grad=False)  # the repack replaces it
-        p.tensor_shape = shape
-        setattr(layer, f"{name}_qweight", p)
-        qt = torch.nn.Parameter(torch.tensor([int(t)], dtype=torch.uint8), requires_grad=False)
-        qt.weight_type = int(t)
-        setattr(layer, f"{name}_qweight_type", qt)
-    layer.moe_config = types.SimpleNamespace(is_act_and_mul=True)
-    layer.params_dtype = torch.float16
-    layer.activation = MoEActivation.SILU
+def marlin_layer(gm, q13, t13, q2, t2):
+    """The layer of these experts as the engine runs them, repacked by the
+    series' gguf_marlin_moe, or None where it does not repack them."""
+    # the repack replaces the blocks it is given: a copy, the others still time them
+    layer = gguf_moe_layer(q13.clone(), t13, q2.clone(), t2, torch.float16)
     return layer if gm.repack_layer(layer) else None
 
 
@@ -329,7 +314,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
             dq_ms = tdq_ms = tdq_exact = None
             marlin = None
             if q13 is not None and gm and "marlin" not in skip:
-                marlin = marlin_layer(gm, q13, t13, q2, t2, e, h, inter)
+                marlin = marlin_layer(gm, q13, t13, q2, t2)
             if q13 is not None:
                 dq_ms = ms(_dequant_layer, q13, t13, h, q2, t2, inter)
                 if tdq and tdq.supported(t13) and tdq.supported(t2):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from support.gguf_moe_ref import moe_reference, random_blocks
+from support.gguf_moe_ref import gguf_moe_layer, moe_reference, random_blocks
 
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
 # Marlin's integer offset of each type: uint4 (zero point 0), uint4b8, uint8b128
@@ -128,28 +128,24 @@ def test_no_marlin_without_cuda(monkeypatch):
     assert not gm.usable(QType.Q4_K, QType.Q4_K, 6144, 256, torch.float16)
 
 
+def test_a_layer_off_the_gpu_keeps_its_gguf_blocks(on_cuda):
+    """repack_layer leaves a layer whose blocks are not on a CUDA device
+    (CPU offload, no GPU) as it was, for gguf_dispatch's kernels."""
+    layer, *_ = _layer("Q4_K", "Q4_K", torch.float16, seed=1, device="cpu")
+    blocks = layer.w13_qweight
+    assert not on_cuda.repack_layer(layer)
+    assert layer.w13_qweight is blocks and not hasattr(layer, "gguf_marlin_workspace")
+
+
 # ---------------------------------------------------------------- GPU
 
 
-def _layer(w13_type, w2_type, dtype, seed):
-    from vllm.model_executor.layers.fused_moe import MoEActivation
-
+def _layer(w13_type, w2_type, dtype, seed, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     r13, v13 = random_blocks(w13_type, (E, 2 * INTER, HIDDEN), g)
     r2, v2 = random_blocks(w2_type, (E, HIDDEN, INTER), g)
-    layer = torch.nn.Module()
-    for name, raw, qtype, shape in (("w13", r13, w13_type, (E, 2 * INTER, HIDDEN)),
-                                    ("w2", r2, w2_type, (E, HIDDEN, INTER))):
-        p = torch.nn.Parameter(raw.cuda(), requires_grad=False)
-        p.tensor_shape = shape
-        setattr(layer, f"{name}_qweight", p)
-        t = torch.nn.Parameter(torch.tensor([QType[qtype]], dtype=torch.uint8),
-                               requires_grad=False)
-        t.weight_type = int(QType[qtype])
-        setattr(layer, f"{name}_qweight_type", t)
-    layer.moe_config = types.SimpleNamespace(is_act_and_mul=True)
-    layer.params_dtype = dtype
-    layer.activation = MoEActivation.SILU
+    layer = gguf_moe_layer(r13.to(device), QType[w13_type], r2.to(device), QType[w2_type],
+                           dtype)
     return layer, v13[:, :INTER], v13[:, INTER:], v2
 
 

@@ -8,6 +8,8 @@ vLLM's own)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gguf
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,33 @@ def moe_reference(
         y = h @ down[e].double().T
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].double()[:, None])
     return out
+
+
+def gguf_moe_layer(
+    w13: torch.Tensor, w13_type: int, w2: torch.Tensor, w2_type: int, dtype: torch.dtype
+) -> torch.nn.Module:
+    """A module holding routed experts as GGUFMoEMethod leaves them after
+    loading (what gguf_marlin_moe.repack_layer reads): GGUF blocks
+    ``w13 [E, 2I, bytes]`` and ``w2 [E, H, bytes]`` with their logical
+    shapes and types, a gated SiLU, ``dtype`` activations."""
+    from vllm.model_executor.layers.fused_moe import MoEActivation
+
+    num_experts, rows13, _ = w13.shape
+    hidden = w2.shape[1]
+    layer = torch.nn.Module()
+    for name, raw, qtype, shape in (("w13", w13, w13_type, (num_experts, rows13, hidden)),
+                                    ("w2", w2, w2_type, (num_experts, hidden, rows13 // 2))):
+        p = torch.nn.Parameter(raw, requires_grad=False)
+        p.tensor_shape = shape
+        setattr(layer, f"{name}_qweight", p)
+        t = torch.nn.Parameter(torch.tensor([int(qtype)], dtype=torch.uint8),
+                               requires_grad=False)
+        t.weight_type = int(qtype)
+        setattr(layer, f"{name}_qweight_type", t)
+    layer.moe_config = SimpleNamespace(is_act_and_mul=True)
+    layer.params_dtype = dtype
+    layer.activation = MoEActivation.SILU
+    return layer
 
 
 def _expert_gemm(
