@@ -7,12 +7,15 @@ activations as the Marlin weight reads them (Q4_K's min-term columns, from
 the Triton kernel in the interpreter), give x @ W.T of gguf-py's values;
 the input kernel writes every column (poisoned output); which layers run
 Marlin (types, shapes, dtype, VLLM_GGUF_KERNELS); down experts left in
-GGUF blocks take ggml's kernels by batch size (CPU stand-ins of the ops).
+GGUF blocks take ggml's kernels by batch size (CPU stand-ins of the ops);
+dequantize() reads back from the Marlin layout (vLLM's Python reference
+of gptq_marlin_repack standing in for the op) the values the operand
+holds, and the float path gets them for prefill batches on SM90 only.
 GPU (`-m gpu`): a layer repacked by repack_layer and run through the
 registered op (the engine's path), in fp16 and bf16, down experts on
 Marlin or on ggml's kernels and the float path (in groups of experts too),
-against the fp64 reference of the same blocks, also replayed in a CUDA
-graph.
+the whole layer on the float path, against the fp64 reference of the
+same blocks, also replayed in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -85,6 +88,150 @@ def test_q4_k_input_kernel_writes_every_column(k):
     body[..., 264:272] = (-8 * sums).half()
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+
+
+def _cpu_repack(monkeypatch, gm):
+    """ops.gptq_marlin_repack on the CPU: vLLM's reference of its layout
+    (marlin_utils_test.marlin_weights, which vLLM's kernel tests hold the
+    op to), from the GPTQ-packed operand."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import (
+        get_weight_perm,
+        marlin_weights,
+    )
+
+    def repack(packed, perm, size_k, size_n, bits):
+        assert perm.numel() == 0
+        mask = (1 << bits) - 1
+        q = torch.stack([(packed >> (bits * j)) & mask for j in range(32 // bits)], 1)
+        return marlin_weights(q.reshape(size_k, size_n), size_k, size_n, bits,
+                              get_weight_perm(bits))
+
+    monkeypatch.setattr(gm.ops, "gptq_marlin_repack", repack)
+
+
+def _operand_values(gm, raw, qtype, k):
+    """fp64 [n, k] of one expert as its Marlin operand (marlin_operand's
+    integers and fp16 scales) holds them."""
+    q, scales = gm.marlin_operand(raw, qtype, k, torch.float16)
+    s, n = scales.t().double(), q.shape[0]
+    if qtype != QType.Q4_K:
+        return ((q.double() - OFFSET[qtype.name]) * s.repeat_interleave(32, 1))[:, :k]
+    nsb = k // 256
+    body = q[:, : nsb * 288].view(n, nsb, 288).double()
+    groups = s[:, : nsb * 9].view(n, nsb, 9)
+    values = body[..., :256].view(n, nsb, 8, 32) * groups[..., :8, None]
+    mins = groups[..., 8, None] * (body[..., 256:264] + 8 * body[..., 264:272])
+    return (values - mins[..., None]).reshape(n, k)
+
+
+@pytest.mark.parametrize("type_name,n,k", [("Q4_K", 64, 512), ("Q4_0", 64, 96),
+                                           ("Q8_0", 128, 160)])
+def test_dequantize_reads_the_marlin_layout(type_name, n, k, monkeypatch):
+    gm = _module()
+    _cpu_repack(monkeypatch, gm)
+    qtype = QType[type_name]
+    raw, values = random_blocks(type_name, (3, n, k), torch.Generator().manual_seed(n + k))
+    w, s = gm.repack_experts(raw, qtype, k, torch.float16)
+    out = gm.dequantize(w, s, qtype, n, k)
+    assert out.shape == (3, n, k) and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    for e in range(3):
+        # fp32 arithmetic, one rounding to fp16
+        want = _operand_values(gm, raw[e], qtype, k)
+        torch.testing.assert_close(out[e].double(), want, rtol=2e-3, atol=1e-6)
+        # gguf-py's values, but for the scales' rounding to fp16 (Q4_K's d * sc)
+        err = ((out[e].double() - values[e]).abs().max() / values[e].abs().max()).item()
+        assert err < 2e-3, (e, err)
+
+
+def test_prefill_batches_take_the_float_path_on_sm90_only(monkeypatch):
+    gm = _module()
+    capability = types.SimpleNamespace(major=9, minor=0)
+    platform = types.SimpleNamespace(get_device_capability=lambda: capability)
+    monkeypatch.setattr(gm, "current_platform", platform)
+    assert gm.use_float(gm.FLOAT_MIN_TOKENS) and not gm.use_float(gm.FLOAT_MIN_TOKENS - 1)
+    for major in (8, 10, 12):
+        capability.major = major
+        assert not gm.use_float(1 << 20)
+
+
+@pytest.mark.parametrize("w2_type", ["Q4_K", "Q6_K"])
+def test_the_float_path_gets_the_layer_values(w2_type, monkeypatch):
+    """float_path hands gguf_dispatch.float_moe the layer's values, any
+    group of experts: from the Marlin weights, the down experts from their
+    GGUF blocks where they kept them."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    gm = _module()
+    _cpu_repack(monkeypatch, gm)
+    g = torch.Generator().manual_seed(4)
+    r13, v13 = random_blocks("Q4_K", (E, 2 * INTER, HIDDEN), g)
+    r2, v2 = random_blocks(w2_type, (E, HIDDEN, INTER), g)
+    w13, s13 = gm.repack_experts(r13, QType.Q4_K, HIDDEN, torch.float16)
+    down_marlin = gm.down_on_marlin(QType[w2_type], HIDDEN, INTER)
+    w2, s2 = r2, torch.empty(0)
+    if down_marlin:
+        w2, s2 = gm.repack_experts(r2, QType[w2_type], INTER, torch.float16)
+    groups = {}
+
+    def float_moe(x, float_experts, num_experts, rows13, topk_weights, topk_ids, act):
+        assert (num_experts, rows13, act) == (E, 2 * INTER, "silu")
+        for lo, hi in ((0, E), (2, 5)):
+            groups[lo, hi] = float_experts(lo, hi)
+        return "float"
+
+    monkeypatch.setattr(gguf_dispatch, "float_moe", float_moe)
+    x = torch.randn(4, HIDDEN, generator=g).half()
+    ids = torch.rand(4, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
+    out = gm.float_path(x, w13, s13, w2, s2, torch.rand(4, TOP_K), ids, QType.Q4_K,
+                        QType[w2_type], "silu", down_marlin)
+    assert out == "float"
+    for (lo, hi), (up, down) in groups.items():
+        assert up.shape == (hi - lo, 2 * INTER, HIDDEN) and up.dtype == torch.float16
+        assert down.shape == (hi - lo, HIDDEN, INTER) and down.dtype == torch.float16
+        for got, want in ((up, v13[lo:hi]), (down, v2[lo:hi])):
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2e-3, (lo, hi, err)
+
+
+_AOT_SCRIPT = r"""
+import json
+from vllm.model_executor.layers.quantization import gguf_marlin_moe as gm
+from support.aot import AotKernel, compile_for
+kernels = []
+for ptr in ("*fp16", "*bf16"):
+    kernels.append(AotKernel(
+        name=f"input-{ptr[1:]}", fn=gm._q4_k_input_kernel,
+        signature={"x_ptr": ptr, "out_ptr": ptr, "stride_x": "i32", "stride_out": "i32",
+                   "n_super": "i32", "k_out": "i32", "PAD": "constexpr"},
+        constexprs={"PAD": gm.TILE}, options={"num_warps": 4, "num_stages": 1}))
+    for bits, offset, q4_k in ((4, 0, True), (4, 8, False), (8, 128, False)):
+        kernels.append(AotKernel(
+            name=f"dequant{bits}-{offset}-{ptr[1:]}", fn=gm._marlin_dequant_kernel,
+            signature={"w_ptr": "*i32", "s_ptr": ptr, "perm_ptr": "*i32", "out_ptr": ptr,
+                       "n": "i32", "k": "i32", "stride_w": "i32", "stride_s": "i32",
+                       "BITS": "constexpr", "OFFSET": "constexpr", "Q4_K": "constexpr",
+                       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+            constexprs={"BITS": bits, "OFFSET": offset, "Q4_K": q4_k, "BLOCK_N": 32,
+                        "BLOCK_K": 64},
+            options={"num_warps": 4, "num_stages": 1}))
+out = {}
+for kernel in kernels:
+    for cap in ((12, 0), (9, 0)):
+        out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compile_for(kernel, cap).metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_sm120_and_sm90(tmp_path):
+    """The input kernel (every GPU) and the dequantizer (the SM90 float
+    path) compile for SM120 and SM90 within SM120's shared memory. A fresh
+    process: the interpreter patches triton.language in this one."""
+    from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
+
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path)
+    assert len(shared) == 2 * 2 * 4  # sm_120, sm_90 x fp16, bf16 x 4 kernels
+    assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 
 @pytest.fixture
@@ -208,10 +355,13 @@ def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
     assert layer.w2_qweight.dtype == (torch.int32 if on_marlin else torch.uint8)
     g = torch.Generator().manual_seed(11)
     # 600: ggml's down kernels give way to the float path; 600 again: in
-    # groups of three experts
-    for i, tokens in enumerate((1, 7, 64, 300, 600, 600)):
+    # groups of three experts; then the whole layer on the float path
+    for i, tokens in enumerate((1, 7, 64, 300, 600, 600, 600)):
         if i == 5:
             monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_BYTES", 3 * HIDDEN * INTER * 2)
+        if i == 6:
+            monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS", 512)
+            monkeypatch.setattr(gm, "_float_measured_faster", lambda: True)
         x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
         topk_ids = torch.rand(tokens, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
         topk_weights = torch.rand(tokens, TOP_K, generator=g) + 0.1
