@@ -30,7 +30,10 @@ types of the low-bit files; the fastest of a few tiles, named, and its
 output's distance from the fp16 path's on the same values), where the
 installed wheel has it; the layer as the engine runs Q4_K, Q4_0 and Q8_0
 experts, repacked for vLLM's Marlin MoE kernel (gguf_marlin_moe.py, 0028;
-its distance from the fp16 path's output), where the wheel has it; and up
+its distance from the fp16 path's output), where the wheel has it, and
+above GRAPH_MAX_TOKENS both of its ways apart: the Marlin GEMMs and the
+float path from the Marlin weights (the engine picks by FLOAT_MIN_TOKENS
+on SM90); and up
 to GRAPH_MAX_TOKENS ggml's MMQ and vector kernels (and the Marlin layer)
 replayed in a CUDA graph, as the engine runs decode batches.
 
@@ -268,6 +271,18 @@ def marlin_layer(gm, q13, t13, q2, t2):
     return layer if gm.repack_layer(layer) else None
 
 
+@contextlib.contextmanager
+def marlin_float(gm, on: bool):
+    """Every batch of the Marlin layer on its float path (on) or on the
+    Marlin GEMMs (off), whatever gguf_marlin_moe.use_float would pick."""
+    saved = gm.use_float
+    gm.use_float = lambda tokens: on
+    try:
+        yield
+    finally:
+        gm.use_float = saved
+
+
 def graph_ms(fn) -> float:
     """Median ms of replaying ``fn()`` captured in a CUDA graph (after a
     run outside one: kernels compiled, tables made)."""
@@ -344,6 +359,13 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                     if n <= GRAPH_MAX_TOKENS:
                         graphs["marlin_graph_ms"] = graph_ms(
                             functools.partial(gm.apply, marlin, x, wts, ids))
+                    elif hasattr(gm, "use_float"):
+                        for way, on in (("kernel", False), ("float", True)):
+                            with marlin_float(gm, on):
+                                fused[f"marlin_{way}_ms"] = ms(gm.apply, marlin, x, wts, ids)
+                                if on:
+                                    fused["marlin_float_max_diff"] = _max_diff(
+                                        gm.apply(marlin, x, wts, ids), ref)
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
                     if n <= GRAPH_MAX_TOKENS:

@@ -105,3 +105,22 @@ def test_the_marlin_columns_appear_only_in_runs_that_measured_it():
     assert q4_k_m[0].endswith("|  |  |")
     assert [line for line in graphed.splitlines() if line.startswith("| q4_k |")] == [
         "| q4_k | 32 | 0.4 | 1.2 | 3.00 | 0.216 |"]
+
+
+def test_the_marlin_cell_shows_its_two_ways_where_they_were_timed_apart():
+    import render
+
+    inputs = {"shape": "glm5-tp8", "experts": 256, "hidden": 6144, "moe_intermediate": 256,
+              "top_k": 8, "type": "q4_k"}
+    figures = {"kernel": "mmq", "gguf_ms": 32.5, "f16_fused_ms": 2.1, "dequant_all_ms": 2.8,
+               "marlin_ms": 3.3, "marlin_max_diff": 8e-4}
+    rows = [{"record": "row", "table": "moe", "inputs": {**inputs, "tokens": 2048},
+             "figures": figures},
+            {"record": "row", "table": "moe", "inputs": {**inputs, "tokens": 8192},
+             "figures": {**figures, "marlin_kernel_ms": 4.43, "marlin_float_ms": 3.3,
+                         "marlin_float_max_diff": 6e-4}}]
+    lines = [line for line in render.gguf_gemm_md({"env": {}}, rows).splitlines()
+             if line.startswith("| q4_k |")]
+    assert lines[0].endswith("| 3.3 (diff 8.0e-04) |  |")
+    assert lines[1].endswith("| 3.3 (diff 8.0e-04); GEMMs 4.43, float path 3.3 "
+                             "(diff 6.0e-04) |  |")
