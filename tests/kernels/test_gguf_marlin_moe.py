@@ -379,10 +379,11 @@ def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
 
 
 @pytest.mark.gpu
-def test_marlin_layer_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("w2_type", ["Q4_K", "Q6_K"])
+def test_marlin_layer_in_a_cuda_graph(monkeypatch, w2_type):
     gm = _module()
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
-    layer, *_ = _layer("Q4_K", "Q4_K", torch.float16, seed=5)
+    layer, *_ = _layer("Q4_K", w2_type, torch.float16, seed=5)
     assert gm.repack_layer(layer)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(16, HIDDEN, generator=g).half().cuda()
