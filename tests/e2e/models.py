@@ -251,12 +251,13 @@ MODELS = {
         extra=dict(qk_nope_head_dim=128, v_head_dim=128, scoring_func="sigmoid"), seed=13,
     ),
     # GLM-5 with the real index_topk (2048) and a 32k context, for prompts of
-    # 8-12k tokens (tests/e2e/test_long_context.py); F16 only.
+    # 8-12k tokens (tests/e2e/test_long_context.py); F16 and Q4_K_M (batches
+    # long enough for the Marlin MoE's float path).
     "glm5-long": ModelSpec(
         "glm5-long", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", layers=3,
         extra=dict(qk_nope_head_dim=192, v_head_dim=256, **_GLM_KEYS, index_topk=2048,
                    max_position_embeddings=32768),
-        seed=14, types=("f16",),
+        seed=14, types=("f16", "q4_k_m"),
     ),
 }
 

@@ -59,6 +59,7 @@ def engine_result(out_file: Path, log: str) -> dict:
                               or f"Using {b}" in log), "unknown")
     result["indexer"] = "triton" if "DSA indexer: Triton kernels" in log else "deepgemm"
     result["cuda_graphs"] = "Graph capturing finished" in log or "Capturing CUDA graph" in log
+    result["marlin_moe"] = "on vLLM's Marlin MoE kernel, repacked at load" in log
     return result
 
 

@@ -16,6 +16,13 @@ the series' fp16 path, each in its own process:
   the same greedy tokens up to a near-tie, the decode distributions moved
   no further than 1.5x the peer's.
 
+The same model as Q4_K_M (Q4_K gate/up experts; down experts Q4_K in one
+MoE layer, Q6_K in the other), both prompts at once: the series' fp16 path
+with its routed experts on vLLM's Marlin MoE (0028) in 1536-token chunks
+and in steps of 16,384 tokens (on SM90 the float path from the repacked
+weights), and on ggml's kernels, each within 1.5x the peer's error against
+transformers in fp32 on the file's dequantized weights.
+
 The bars are the suite's (judging.py): relative to the peer, a floor of
 0.002 against a peer at exactly 0.
 """
@@ -46,6 +53,14 @@ CHUNK = 1536  # prefill steps that cross the 2048 boundary
 SHARED = 10240  # the prefix the second request finds in the cache
 RATIO, FLOOR = 1.5, 0.002
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
+# The Q4_K_M file's runs: the Marlin MoE (the series' default) and ggml's
+# kernels. Both prompts at once: a first step of 16,384 tokens (the float
+# path's batches on SM90), then one of 4,096.
+QUANT = "q4_k_m"
+QUANT_RUNS = {"q4-peer": (PEER, {}, {}),
+              "q4-fp16": (TRITON_FP16, {}, {}),
+              "q4-fp16-chunked": (TRITON_FP16, {}, {"max_num_batched_tokens": CHUNK}),
+              "q4-ggml": (TRITON_FP16, {"VLLM_GGUF_KERNELS": "ggml"}, {})}
 
 
 def long_prompts() -> list[list[int]]:
@@ -75,28 +90,32 @@ def runs(manifest, tmp_path_factory) -> dict:
     hf, gguf = model_paths(manifest, MODEL, "f16")
     work = tmp_path_factory.mktemp("long")
     a, b = prefix_prompts()
-    jobs = {}
+    jobs = {}  # name: (setup, extra environment, case)
     for name, setup in PATHS.items():
-        jobs[f"{name}-whole"] = _case(hf, gguf, setup, long_prompts())
-        jobs[f"{name}-chunked"] = _case(hf, gguf, setup, long_prompts(),
-                                        llm={"max_num_batched_tokens": CHUNK})
+        jobs[f"{name}-whole"] = setup, {}, _case(hf, gguf, setup, long_prompts())
+        jobs[f"{name}-chunked"] = setup, {}, _case(hf, gguf, setup, long_prompts(),
+                                                   llm={"max_num_batched_tokens": CHUNK})
         # vLLM reads no cached prefix for a request that asks prompt log-probabilities
-        jobs[f"{name}-cached"] = _case(hf, gguf, setup, [a, b], prompt_logprobs=False,
-                                       llm={"enable_prefix_caching": True})
-        jobs[f"{name}-fresh"] = _case(hf, gguf, setup, [b], prompt_logprobs=False,
-                                      llm={"enable_prefix_caching": False})
+        jobs[f"{name}-cached"] = setup, {}, _case(hf, gguf, setup, [a, b],
+                                                  prompt_logprobs=False,
+                                                  llm={"enable_prefix_caching": True})
+        jobs[f"{name}-fresh"] = setup, {}, _case(hf, gguf, setup, [b], prompt_logprobs=False,
+                                                 llm={"enable_prefix_caching": False})
+    _, quant = model_paths(manifest, MODEL, QUANT)
+    for name, (setup, env, llm) in QUANT_RUNS.items():
+        jobs[name] = setup, env, _case(hf, quant, setup, long_prompts(), sequential=False,
+                                       llm=llm)
 
     def one(item):
-        name, case = item
-        setup = PATHS[name.split("-")[0]]
-        return name, launch(case, work, name, dict(os.environ, **setup.env))
+        name, (setup, env, case) = item
+        return name, launch(case, work, name, dict(os.environ, **setup.env, **env))
 
     with ThreadPoolExecutor(int(os.environ.get("E2E_PARALLEL", "6"))) as pool:
         out = dict(pool.map(one, jobs.items()))
     errors = [r["error"] for r in out.values() if "error" in r]
     if errors:
         pytest.fail("\n\n".join(errors))
-    out["hf"], out["gguf"] = hf, gguf
+    out["hf"], out["gguf"], out["quant"] = hf, gguf, quant
     return out
 
 
@@ -104,9 +123,19 @@ def runs(manifest, tmp_path_factory) -> dict:
 def oracle(runs) -> list[torch.Tensor]:
     """transformers fp32 (both selections) over each prompt, [2, positions,
     vocab] per prompt."""
+    return _fp32(runs["hf"], runs["gguf"])
+
+
+@pytest.fixture(scope="module")
+def quant_oracle(runs) -> list[torch.Tensor]:
+    """The same on the Q4_K_M file's dequantized weights."""
+    return _fp32(runs["hf"], runs["quant"])
+
+
+def _fp32(hf, gguf) -> list[torch.Tensor]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = transformers_model(runs["hf"], runs["gguf"], "cuda")
+    model = transformers_model(hf, gguf, "cuda")
     out = [transformers_alternatives(model, p) for p in long_prompts()]
     del model
     torch.cuda.empty_cache()
@@ -189,3 +218,17 @@ def test_a_cached_prefix_changes_nothing(runs):
         assert top2[0] - top2[1] < 0.05, (
             f"cached prefix: greedy parts at step {parted} where the fresh run's margin is "
             f"{(top2[0] - top2[1]).item():.3f} nats")
+
+
+@pytest.mark.parametrize("run, marlin", [("q4-fp16", True), ("q4-fp16-chunked", True),
+                                         ("q4-ggml", False)])
+def test_q4_k_m_experts_match_fp32_as_well_as_the_peer(runs, quant_oracle, run, marlin):
+    assert runs[run]["marlin_moe"] == marlin, (
+        f"{run}: the routed experts {'did not run' if marlin else 'ran'} on the Marlin MoE")
+    ours = _vs_oracle(runs[run], quant_oracle, 2048)
+    peer = _vs_oracle(runs["q4-peer"], quant_oracle, 2048)
+    _show(f"{QUANT} {run} vs fp32", ours=ours, peer=peer)
+    for part in ("active", "all_keys"):
+        assert ours[part] <= _bar(peer[part]), (
+            f"{run} {part}: scale-free {ours[part]:.4f} > {RATIO} x the peer's {peer[part]:.4f}")
+    assert peer["active"] < 0.1, f"peer {peer}: model or oracle broken"

@@ -167,7 +167,7 @@ def test_manifest_is_checked_against_the_files_it_names(fake_tools, tmp_path):
     other tensor types, is not taken as up to date."""
     out = tmp_path / "e2e"
     manifest = models.build(out, types=("f32", "f16"))
-    # glm5-long is built in F16 only (ModelSpec.types)
+    # glm5-long is built in F16 and Q4_K_M only (ModelSpec.types)
     assert fake_tools == ["glm5", "glm52", "dsv32", "glm5-long"]
     assert manifest["models"]["glm5-long"]["gguf"] == {"f16": "glm5-long-f16.gguf"}
     fake_tools.clear()
