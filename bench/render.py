@@ -433,7 +433,7 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "repacked for vLLM's Marlin MoE kernel (gguf_marlin_moe.py), with its largest "
             "difference from the fp16 path's output; in runs that timed them apart, above "
             "the graph-timed sizes also its Marlin GEMMs and its float path from the Marlin "
-            "weights (the engine's pick on SM90 from 8,192 tokens). Median ms.")]
+            "weights (the engine's pick on SM90 from FLOAT_MIN_TOKENS). Median ms.")]
     moe = rows_of(rows, "moe")
     for shape in dict.fromkeys(i["shape"] for i, _ in moe):
         first = next(i for i, _ in moe if i["shape"] == shape)

@@ -211,9 +211,9 @@ for ptr in ("*fp16", "*bf16"):
             signature={"w_ptr": "*i32", "s_ptr": ptr, "perm_ptr": "*i32", "out_ptr": ptr,
                        "n": "i32", "k": "i32", "stride_w": "i32", "stride_s": "i32",
                        "BITS": "constexpr", "OFFSET": "constexpr", "Q4_K": "constexpr",
-                       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                       "BLOCK_N": "constexpr", "GROUPS": "constexpr"},
             constexprs={"BITS": bits, "OFFSET": offset, "Q4_K": q4_k, "BLOCK_N": 32,
-                        "BLOCK_K": 64},
+                        "GROUPS": 4},
             options={"num_warps": 4, "num_stages": 1}))
 out = {}
 for kernel in kernels:
