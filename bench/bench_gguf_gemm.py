@@ -403,7 +403,9 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                       f"graphs: mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
                       f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms "
                       f"marlin {fused.get('marlin_ms') or 0:8.3f} ms "
-                      f"(graph {graphs.get('marlin_graph_ms') or 0:7.3f})",
+                      f"(graph {graphs.get('marlin_graph_ms') or 0:7.3f} "
+                      f"kernel {fused.get('marlin_kernel_ms') or 0:7.3f} "
+                      f"float {fused.get('marlin_float_ms') or 0:7.3f})",
                       flush=True)
             w13 = w2 = q13 = q2 = marlin = None
             torch.cuda.empty_cache()

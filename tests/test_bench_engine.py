@@ -505,6 +505,38 @@ def test_each_workload_is_saved_as_it_ends(tmp_path, monkeypatch):
     assert rows[0]["figures"]["output_tok_s"] == 1598.4
     assert (runner.folder / "engine.md").is_file()
 
+def test_a_server_the_budget_cannot_wait_for_is_not_started(tmp_path):
+    """Less budget left than this run's longest server start: the path is
+    left out with a note that says so; a start cut by the budget says the
+    budget was the limit."""
+    import argparse
+
+    from engine import run
+
+    args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
+                              quick=True, budget_s=700.0)
+    runner = run.Runner(args, wl.plan(True, None, ["triton-fp16"], ["concurrent-32"]))
+    assert not runner.skip("glm5-tp8 q4_k_m triton-fp16", runner.longest_start)
+    runner.longest_start = 150.0
+    runner.t_start -= 600  # 100 s left
+    assert runner.skip("glm5-tp8 q4_k_m triton-fp16-nomarlin", runner.longest_start)
+    assert runner.data.notes[-1] == (
+        "Not run (--budget-s 700: 100 s left, a server start took 150 s in this run): "
+        "glm5-tp8 q4_k_m triton-fp16-nomarlin.")
+    timeout, limit = runner.start_limit()
+    assert 99 <= timeout <= 100
+    assert limit == "what --budget-s 700 left"
+    # a server that never answers, waited for one second
+    server = run.Server([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
+                        tmp_path / "server.log", "http://127.0.0.1:9/health")
+    try:
+        with pytest.raises(RuntimeError, match=r"not ready in 1 s \(what --budget-s 700 left\)"):
+            server.wait_ready(1, limit)
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+
+
 VLLM_LOG = """\
 INFO 12-02 10:00:01 [api_server.py:1000] vLLM API server version 0.23.0+dsa.sm120.abcdef12
 (EngineCore_DP0 pid=4242) INFO 12-02 10:00:20 [cuda.py:320] Using AttentionBackendEnum.TRITON_MLA_SPARSE backend.

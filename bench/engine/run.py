@@ -96,7 +96,9 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout: float) -> float:
+    def wait_ready(self, timeout: float, limit: str) -> float:
+        """Seconds until the health check answers; limit names what set the
+        timeout (the run's budget or BENCH_ENGINE_START_TIMEOUT)."""
         deadline = self.t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -109,7 +111,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(2)
-        raise RuntimeError(f"server not ready in {timeout:.0f} s:\n"
+        raise RuntimeError(f"server not ready in {timeout:.0f} s ({limit}):\n"
                            f"{self.log_path.read_text()[-6000:]}")
 
     def stop(self) -> None:
@@ -151,6 +153,9 @@ class Runner:
                                   "same client" for p in plan["paths"]))
         self.folder = results_dir(env.get("card", "unknown-card"), args.results)
         self.max_len = wl.max_model_len(plan["workloads"])
+        # the longest server start of this run: a server the budget left
+        # cannot wait for is not started
+        self.longest_start = 0.0
 
     # -- bookkeeping --------------------------------------------------------
 
@@ -162,13 +167,32 @@ class Runner:
         record.render(self.folder.parent)
         print(f"[bench-engine] data: {path}", flush=True)
 
-    def skip(self, what: str) -> bool:
-        if self.left() > 0:
+    def skip(self, what: str, need: float = 0.0) -> bool:
+        """Whether what is left out for the budget: spent, or less left than
+        need (a server start)."""
+        left = self.left()
+        if left > need:
             return False
-        note = f"Not run (--budget-s {self.args.budget_s} spent): {what}."
+        if left <= 0:
+            note = f"Not run (--budget-s {self.args.budget_s:g} spent): {what}."
+        else:
+            note = (f"Not run (--budget-s {self.args.budget_s:g}: {left:.0f} s left, a server "
+                    f"start took {need:.0f} s in this run): {what}.")
         print(f"[bench-engine] {note}", flush=True)
         self.data.notes.append(note)
         return True
+
+    def start_limit(self) -> tuple[float, str]:
+        """How long to wait for a server to start, and what sets it."""
+        left = self.left()
+        if left < START_TIMEOUT:
+            return max(60.0, left), f"what --budget-s {self.args.budget_s:g} left"
+        return START_TIMEOUT, "BENCH_ENGINE_START_TIMEOUT"
+
+    def started(self, server: Server) -> float:
+        start_s = server.wait_ready(*self.start_limit())
+        self.longest_start = max(self.longest_start, start_s)
+        return start_s
 
     # -- one workload against a running server --------------------------------
 
@@ -208,7 +232,7 @@ class Runner:
         server = Server(cmd, env, log, f"http://127.0.0.1:{port}/health")
         peak = Peak()
         try:
-            start_s = server.wait_ready(min(START_TIMEOUT, max(60.0, self.left())))
+            start_s = self.started(server)
             ready = gpu_mib()
             peak.start()
             figures = parse.vllm_log(server.text())
@@ -238,7 +262,8 @@ class Runner:
         inputs = {"checkpoint": name, "type": gtype, "path": wl.LLAMA_CPP}
         mine = wl.path_workloads(self.plan, wl.LLAMA_CPP)
         for group in wl.llama_server_groups(mine):
-            if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}"):
+            if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}",
+                         self.longest_start):
                 return
             slots, ctx = wl.llama_server_slots(group)
             port = free_port()
@@ -247,7 +272,7 @@ class Runner:
             print(f"[bench-engine] start llama-server -np {slots} -c {ctx}", flush=True)
             server = Server(cmd, dict(os.environ), log, f"http://127.0.0.1:{port}/health")
             try:
-                start_s = server.wait_ready(min(START_TIMEOUT, max(60.0, self.left())))
+                start_s = self.started(server)
                 figures = dict(parse.llama_server_log(server.text()), start_s=round(start_s, 1),
                                gpu_mib_ready=gpu_mib(), slots=slots, command=_shown(cmd))
                 self.data.row("servers", dict(inputs, slots=slots), **figures)
@@ -296,7 +321,7 @@ class Runner:
                                       if k != "total_last_build"),
                           spec=info["spec"])
             for path in self.plan["paths"]:
-                if self.skip(f"{name} {gtype} {path}"):
+                if self.skip(f"{name} {gtype} {path}", self.longest_start):
                     continue
                 if path == wl.LLAMA_CPP:
                     self.llama(name, gtype, gguf, hf)

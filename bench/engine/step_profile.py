@@ -410,7 +410,7 @@ def run(args, files: list[tuple[str, str]], paths: list[str], scenarios: list[st
             print(f"[bench-engine profile] start {path} on {gguf.name}", flush=True)
             server = Server(cmd, senv, log, f"http://127.0.0.1:{port}/health")
             try:
-                server.wait_ready(START_TIMEOUT)
+                server.wait_ready(START_TIMEOUT, "BENCH_ENGINE_START_TIMEOUT")
                 for s in picked:
                     print(f"[bench-engine profile] {path} {s.name}", flush=True)
                     trace = drive(f"http://127.0.0.1:{port}", wl.SERVED_NAME, s, vocab, traces)

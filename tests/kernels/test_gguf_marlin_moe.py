@@ -124,7 +124,8 @@ def _operand_values(gm, raw, qtype, k):
     return (values - mins[..., None]).reshape(n, k)
 
 
-@pytest.mark.parametrize("type_name,n,k", [("Q4_K", 64, 512), ("Q4_0", 64, 96),
+# several 64-column chunks and 16-row strips: _marlin_value computes the layout
+@pytest.mark.parametrize("type_name,n,k", [("Q4_K", 128, 512), ("Q4_0", 192, 96),
                                            ("Q8_0", 128, 160)])
 def test_dequantize_reads_the_marlin_layout(type_name, n, k, monkeypatch):
     gm = _module()
@@ -208,7 +209,7 @@ for ptr in ("*fp16", "*bf16"):
     for bits, offset, q4_k in ((4, 0, True), (4, 8, False), (8, 128, False)):
         kernels.append(AotKernel(
             name=f"dequant{bits}-{offset}-{ptr[1:]}", fn=gm._marlin_dequant_kernel,
-            signature={"w_ptr": "*i32", "s_ptr": ptr, "perm_ptr": "*i32", "out_ptr": ptr,
+            signature={"w_ptr": "*i32", "s_ptr": ptr, "out_ptr": ptr,
                        "n": "i32", "k": "i32", "stride_w": "i32", "stride_s": "i32",
                        "BITS": "constexpr", "OFFSET": "constexpr", "Q4_K": "constexpr",
                        "BLOCK_N": "constexpr", "GROUPS": "constexpr"},
