@@ -29,9 +29,11 @@ rebase:
 compat:
 	$(SUPERVISE) python3 scripts/series.py compat
 
-## lint: ruff check (vLLM's rules, pyproject.toml) with $(VENV)'s ruff (tests/requirements.txt)
+## lint: ruff check (pyproject.toml) with $(VENV)'s ruff (tests/requirements.txt); then, where
+## vllm-src/ exists, vLLM's own ruff rules (check and format) on the files the series changes
 lint:
 	$(SUPERVISE) $(VENV)/bin/python -m ruff check .
+	if [ -d vllm-src/.git ]; then $(SUPERVISE) $(VENV)/bin/python scripts/series.py lint; fi
 
 ## test: build and install the wheel into $(VENV), lint, run the CPU test suite
 test:

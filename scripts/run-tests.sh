@@ -68,6 +68,13 @@ fi
 if [ "${PYTEST_MARK:-}" != gpu ]; then
   printf '\n==> ruff check\n'
   "$VENV/bin/python" -m ruff check .
+  # the series' files under vLLM's own rules, in the vllm-src/ the wheel's build made
+  printf '\n==> ruff in vllm-src/ (the series, vLLM rules)\n'
+  if [ -d vllm-src/.git ]; then
+    "$VENV/bin/python" scripts/series.py lint
+  else
+    echo "no vllm-src/ (the wheel came from WHEELHOUSE): not linted"
+  fi
 fi
 
 printf '\n==> pytest\n'

@@ -17,6 +17,9 @@
   series.py rebase --finish       after resolving conflicts in vllm-rebase/ by hand
                                   (git am --continue): write patches/ and vllm-pin.txt
   series.py compat [VERSION...]   docs/compatibility.md: the series on each release
+  series.py lint                  vLLM's ruff rules (check and format) on the .py files
+                                  that the series adds or changes, in vllm-src/, with this
+                                  Python's ruff; exit status 1 on a finding
   series.py llama-cpp wheel DIR   the llama-cpp-python wheel from llama-cpp-pin.txt's sdist
                                   (CPU build, portable), into DIR (make wheelhouse)
   series.py llama-cpp converter FILE
@@ -42,6 +45,7 @@ from patchseries import (
     REPO_ROOT,
     SeriesError,
     compat,
+    lint,
     llama_cpp_sdist,
     llama_cpp_tools,
     rebase,
@@ -132,6 +136,8 @@ def main(argv: list[str]) -> int:
         llama_cpp_tools.pack_source(Path(args[1]))
     elif command == "llama-cpp" and args == ["tools"]:
         print(llama_cpp_tools.cpu_tools())
+    elif command == "lint" and not args:
+        return 1 if lint.lint(sys.executable) else 0
     elif command == "compat":
         compat.compat(args or None)
         print(f"wrote {compat.COMPAT_DOC.relative_to(REPO_ROOT)}")

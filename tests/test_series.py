@@ -551,3 +551,36 @@ def test_export_warns_of_a_change_outside_its_files_section(fixture_series, caps
     err = capsys.readouterr().err
     assert ("warning: 0004-change-n.patch (section `two`) changes n.py, which "
             "0002-create-n.patch creates in section `one`") in err
+
+
+def test_lint_holds_the_series_files_to_the_trees_own_ruff_rules(tmp_path, git_env, capfd):
+    """series.py lint: ruff check and format, with the tree's configuration,
+    on the .py files upstream..HEAD adds or changes; others are left alone."""
+    from patchseries import lint
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    git(tree, "init", "-q")
+    (tree / "pyproject.toml").write_text('[tool.ruff.lint]\nselect = ["F"]\n')
+    (tree / "untouched.py").write_text("import os\nx  =  1\n")  # unformatted, unused import
+    (tree / "gone.py").write_text("x = 1\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "upstream")
+    git(tree, "tag", UPSTREAM_TAG)
+    (tree / "gone.py").unlink()
+    (tree / "new.py").write_text("x = 1\n")
+    (tree / "notes.txt").write_text("not python\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "a patch")
+    assert lint.series_python_files(tree) == ["new.py"]
+    assert lint.lint(sys.executable, tree) == 0
+    (tree / "new.py").write_text("import os\nx  =  1\n")
+    git(tree, "commit", "-q", "-am", "a patch that fails both")
+    assert lint.lint(sys.executable, tree) == 1
+    out = capfd.readouterr().out
+    assert "F401" in out and "new.py" in out and "untouched.py" not in out
+    (tree / "new.py").write_text("x  =  1\n")
+    git(tree, "commit", "-q", "-am", "unformatted only")
+    assert lint.lint(sys.executable, tree) == 1
+    with pytest.raises(SeriesError, match="make apply"):
+        lint.series_python_files(tmp_path / "missing")
