@@ -34,7 +34,7 @@ def test_import_reports_the_series_version(repo):
 def test_changed_files_are_installed_byte_identical(installed):
     assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
     changed = subprocess.run(
-        ["git", "-C", str(VLLM_SRC), "diff", "--name-only", "--diff-filter=AM",
+        ["git", "-C", str(VLLM_SRC), "diff", "--no-renames", "--name-only", "--diff-filter=AM",
          f"{UPSTREAM_TAG}..HEAD", "--", "vllm/"],
         capture_output=True, text=True, check=True).stdout.split()
     for name in changed:
@@ -60,7 +60,7 @@ def test_every_module_the_series_adds_imports_first():
 
     assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
     added = subprocess.run(
-        ["git", "-C", str(VLLM_SRC), "diff", "--name-only", "--diff-filter=A",
+        ["git", "-C", str(VLLM_SRC), "diff", "--no-renames", "--name-only", "--diff-filter=A",
          f"{UPSTREAM_TAG}..HEAD", "--", "vllm/*.py"],
         capture_output=True, text=True, check=True).stdout.split()
     modules = [p.removesuffix(".py").replace("/", ".") for p in added
