@@ -505,6 +505,7 @@ def test_each_workload_is_saved_as_it_ends(tmp_path, monkeypatch):
     assert rows[0]["figures"]["output_tok_s"] == 1598.4
     assert (runner.folder / "engine.md").is_file()
 
+
 def test_a_server_the_budget_cannot_wait_for_is_not_started(tmp_path):
     """Less budget left than this run's longest server start: the path is
     left out with a note that says so; a start cut by the budget says the

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from patchseries.pin import load_pin
-from patchseries.tree import UPSTREAM_TAG, read_series, series_digest
+from patchseries.tree import read_series, series_digest, series_files
 
 VLLM_SRC = Path(__file__).resolve().parents[1] / "vllm-src"
 
@@ -33,10 +33,7 @@ def test_import_reports_the_series_version(repo):
 
 def test_changed_files_are_installed_byte_identical(installed):
     assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
-    changed = subprocess.run(
-        ["git", "-C", str(VLLM_SRC), "diff", "--no-renames", "--name-only", "--diff-filter=AM",
-         f"{UPSTREAM_TAG}..HEAD", "--", "vllm/"],
-        capture_output=True, text=True, check=True).stdout.split()
+    changed = series_files("AM", "vllm/", VLLM_SRC)
     for name in changed:
         ours = (VLLM_SRC / name).read_bytes()
         theirs = installed.parent / name
@@ -59,10 +56,7 @@ def test_every_module_the_series_adds_imports_first():
     from concurrent.futures import ThreadPoolExecutor
 
     assert (VLLM_SRC / ".git").exists(), "vllm-src/ is missing: run `make test`"
-    added = subprocess.run(
-        ["git", "-C", str(VLLM_SRC), "diff", "--no-renames", "--name-only", "--diff-filter=A",
-         f"{UPSTREAM_TAG}..HEAD", "--", "vllm/*.py"],
-        capture_output=True, text=True, check=True).stdout.split()
+    added = series_files("A", "vllm/*.py", VLLM_SRC)
     modules = [p.removesuffix(".py").replace("/", ".") for p in added
                if not p.endswith("__init__.py")]
     modules.append("vllm.model_executor.layers.quantization.gguf")

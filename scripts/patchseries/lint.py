@@ -13,19 +13,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from . import WORK_TREE, SeriesError
-from .gitrepo import UPSTREAM_TAG, git
+from . import WORK_TREE
+from .tree import series_files
 
 
 def series_python_files(tree: Path = WORK_TREE) -> list[str]:
-    """Paths, relative to the tree, of the .py files the series adds or
-    modifies, a renamed file as added (deleted ones are not linted)."""
-    if not (tree / ".git").exists():
-        raise SeriesError(f"{tree.name}/ is missing; `make apply` (or make build-wheel) "
-                          f"creates it")
-    out = git(tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM", "-z",
-              f"{UPSTREAM_TAG}..HEAD", "--", "*.py").stdout
-    return sorted(p for p in out.split("\0") if p)
+    """The .py files the series adds or modifies (deleted ones are not linted)."""
+    return series_files("AM", "*.py", tree)
 
 
 def lint(python: str, tree: Path = WORK_TREE) -> int:

@@ -254,6 +254,18 @@ def _applied_from(tree: Path) -> str | None:
     return stamp.read_text().strip() if stamp.exists() else None
 
 
+def series_files(diff_filter: str, pathspec: str, tree: Path = WORK_TREE) -> list[str]:
+    """Paths, relative to the tree, that upstream..HEAD changes with git's
+    --diff-filter (A added, M modified, ...) under pathspec; a renamed file
+    counts as deleted and added."""
+    if not (tree / ".git").exists():
+        raise SeriesError(f"{tree.name}/ is missing; `make apply` (or make build-wheel) "
+                          f"creates it")
+    out = git(tree, "diff", "--no-renames", "--name-only", f"--diff-filter={diff_filter}",
+              "-z", f"{UPSTREAM_TAG}..HEAD", "--", pathspec).stdout
+    return sorted(p for p in out.split("\0") if p)
+
+
 def _check_exportable(tree: Path, patch_dir: Path, pin: Pin | None) -> None:
     """Refuse to export a tree whose commits are not the series plus the
     user's edits: a rebase or similar stopped half-way, a detached HEAD, a
