@@ -276,7 +276,7 @@ def marlin_float(gm, on: bool):
     """Every batch of the Marlin layer on its float path (on) or on the
     Marlin GEMMs (off), whatever gguf_marlin_moe.use_float would pick."""
     saved = gm.use_float
-    gm.use_float = lambda tokens: on
+    gm.use_float = lambda tokens, groups=1: on
     try:
         yield
     finally:

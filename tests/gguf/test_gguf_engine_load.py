@@ -11,6 +11,9 @@ are built; loading runs none of them.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -293,3 +296,44 @@ def test_mtp_draft_loads_the_nextn_block(
             # Q8_0, then fp16 where the block holds float weights
             err = (value.double() - ref.double()).abs()
             assert (err <= q8_0_bound(ref) + ref.double().abs() * 2.0**-11).all(), key
+
+
+@pytest.mark.parametrize("variant", ["f16", "f16-split"])
+def test_a_load_reads_each_file_header_once(
+    checkpoints, gguf_files, load_model, monkeypatch, tmp_path, variant
+):
+    """gguf.GGUFReader parses all metadata on open: GLM-5's tokenizer arrays
+    take seconds a parse, and a load used to open its file six times (the
+    largest part of a real file's load). Within load_model each file (each
+    shard of a split set) opens once; outside it, every call opens anew."""
+    import gguf
+    from vllm.model_executor.model_loader import gguf_readers
+
+    opened = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            opened.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    path = gguf_files[("glm", variant)]
+    files = [path]
+    if variant.endswith("split"):
+        files = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+        assert len(files) > 1, files
+    load_model(path, checkpoints["glm"].path)
+    assert sorted(opened) == [str(f) for f in files]
+
+    opened.clear()
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(path, copy)
+    assert gguf_readers.reader(copy) is not gguf_readers.reader(copy)
+    with gguf_readers.shared_readers():
+        shared = gguf_readers.reader(copy)
+        assert gguf_readers.reader(str(copy)) is shared
+        # a file changed since it was opened is read again
+        mtime = copy.stat().st_mtime_ns
+        os.utime(copy, ns=(mtime, mtime + 1))
+        assert gguf_readers.reader(copy) is not shared
+    assert len(opened) == 4

@@ -151,6 +151,10 @@ def test_prefill_batches_take_the_float_path_on_sm90_only(monkeypatch):
     platform = types.SimpleNamespace(get_device_capability=lambda: capability)
     monkeypatch.setattr(gm, "current_platform", platform)
     assert gm.use_float(gm.FLOAT_MIN_TOKENS) and not gm.use_float(gm.FLOAT_MIN_TOKENS - 1)
+    # a layer whose float experts take two groups waits for longer batches
+    assert gm.FLOAT_MIN_TOKENS < gm.FLOAT_MIN_TOKENS_GROUPED
+    assert not gm.use_float(gm.FLOAT_MIN_TOKENS_GROUPED - 1, 2)
+    assert gm.use_float(gm.FLOAT_MIN_TOKENS_GROUPED, 2)
     for major in (8, 10, 12):
         capability.major = major
         assert not gm.use_float(1 << 20)
@@ -355,14 +359,28 @@ def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
     on_marlin = gm.down_on_marlin(QType[w2_type], HIDDEN, INTER)
     assert layer.w2_qweight.dtype == (torch.int32 if on_marlin else torch.uint8)
     g = torch.Generator().manual_seed(11)
-    # 600: ggml's down kernels give way to the float path; 600 again: in
-    # groups of three experts; then the whole layer on the float path
-    for i, tokens in enumerate((1, 7, 64, 300, 600, 600, 600)):
+    float_path, ran_float = gm.float_path, []
+
+    def spy(*args):
+        ran_float.append(i)
+        return float_path(*args)
+
+    monkeypatch.setattr(gm, "float_path", spy)
+    # 600: ggml's down kernels give way to the float path; 600 again: one
+    # expert a group; then the whole layer on the float path: not
+    # from FLOAT_MIN_TOKENS while its float experts take several groups,
+    # from FLOAT_MIN_TOKENS_GROUPED; in one group from FLOAT_MIN_TOKENS
+    for i, tokens in enumerate((1, 7, 64, 300, 600, 600, 600, 600, 600)):
         if i == 5:
             monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_BYTES", 3 * HIDDEN * INTER * 2)
         if i == 6:
             monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS", 512)
             monkeypatch.setattr(gm, "_float_measured_faster", lambda: True)
+        if i == 7:
+            monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS_GROUPED", 512)
+        if i == 8:
+            monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS_GROUPED", 1 << 30)
+            monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_BYTES", 3 << 30)
         x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
         topk_ids = torch.rand(tokens, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
         topk_weights = torch.rand(tokens, TOP_K, generator=g) + 0.1
@@ -377,6 +395,7 @@ def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
         if not on_marlin and not gguf_dispatch.use_moe_dequant(tokens, QType[w2_type]):
             bar = max(bar, 2e-2)
         assert err < bar, (tokens, err)
+    assert ran_float == [7, 8]
 
 
 @pytest.mark.gpu
