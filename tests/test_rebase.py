@@ -454,6 +454,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0028": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # One GGUF reader a file within a load: goes with the loader.
     "0029": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The progress bar of the GGUF load: goes with the loader.
+    "0030": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -337,3 +337,30 @@ def test_a_load_reads_each_file_header_once(
         os.utime(copy, ns=(mtime, mtime + 1))
         assert gguf_readers.reader(copy) is not shared
     assert len(opened) == 4
+
+
+@pytest.mark.parametrize(
+    "variant, use_tqdm", [("f16", True), ("f16-split", True), ("f16", False)]
+)
+def test_a_load_shows_its_progress(
+    checkpoints, gguf_files, load_model, capfd, variant, use_tqdm
+):
+    """vLLM 0.23's GGUF loader printed nothing while it read the tensors
+    (hundreds of GB in these models' files). A load shows one bar in
+    vLLM's format over the bytes of every tensor it reads, across all
+    shards of a split set, unless --use-tqdm-on-load is off; a fast load
+    logs its first and last line only (a refresh at most every 10 s)."""
+    capfd.readouterr()
+    load_model(gguf_files[("glm", variant)], checkpoints["glm"].path,
+               use_tqdm_on_load=use_tqdm)
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith("Loading GGUF tensors")]
+    if not use_tqdm:
+        assert lines == []
+        return
+    assert len(lines) == 2, lines
+    first, last = lines
+    assert first.startswith("Loading GGUF tensors:   0% Completed | 0.00/"), first
+    assert last.startswith("Loading GGUF tensors: 100% Completed | "), last
+    done, total = last.split(" | ")[1].split(" ")[0].split("/")
+    assert done == total and total != "0.00", last

@@ -109,12 +109,13 @@ def _config_classes_kept():
             cls.model_type = model_type
 
 
-def load_model(path: Path, hf_dir: Path, mtp: bool = False):
+def load_model(path: Path, hf_dir: Path, mtp: bool = False, use_tqdm_on_load: bool = True):
     """The model vLLM builds for the GGUF file `path` (a split set's first
     shard) and the checkpoint config in `hf_dir`, loaded. mtp: then load
     the MTP draft of the file, as the engine does: the target first, then
     the draft with the draft's model config and the same VllmConfig (its
-    quant config and layer names included)."""
+    quant config and layer names included). use_tqdm_on_load: vLLM's
+    --use-tqdm-on-load."""
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -148,7 +149,7 @@ def load_model(path: Path, hf_dir: Path, mtp: bool = False):
             )
         vllm_config = VllmConfig(
             model_config=model_config,
-            load_config=LoadConfig(load_format="gguf"),
+            load_config=LoadConfig(load_format="gguf", use_tqdm_on_load=use_tqdm_on_load),
             device_config=DeviceConfig("cpu"),
             speculative_config=speculative_config,
         )
