@@ -325,6 +325,16 @@ def test_a_load_reads_each_file_header_once(
     load_model(path, checkpoints["glm"].path)
     assert sorted(opened) == [str(f) for f in files]
 
+    # a weight reload (load_weights alone) reads each file once more, and
+    # the same weights
+    loaded = load_model(path, checkpoints["glm"].path).state_dict()
+    opened.clear()
+    reloaded = load_model(path, checkpoints["glm"].path, reload=True).state_dict()
+    assert sorted(opened) == sorted(2 * [str(f) for f in files])
+    assert loaded.keys() == reloaded.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, reloaded[name]), name
+
     opened.clear()
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(path, copy)

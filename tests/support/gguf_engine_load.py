@@ -109,13 +109,20 @@ def _config_classes_kept():
             cls.model_type = model_type
 
 
-def load_model(path: Path, hf_dir: Path, mtp: bool = False, use_tqdm_on_load: bool = True):
+def load_model(
+    path: Path,
+    hf_dir: Path,
+    mtp: bool = False,
+    use_tqdm_on_load: bool = True,
+    reload: bool = False,
+):
     """The model vLLM builds for the GGUF file `path` (a split set's first
     shard) and the checkpoint config in `hf_dir`, loaded. mtp: then load
     the MTP draft of the file, as the engine does: the target first, then
     the draft with the draft's model config and the same VllmConfig (its
     quant config and layer names included). use_tqdm_on_load: vLLM's
-    --use-tqdm-on-load."""
+    --use-tqdm-on-load. reload: then read the weights again into the loaded
+    model, as a weight reload does (GGUFModelLoader.load_weights)."""
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -168,6 +175,8 @@ def load_model(path: Path, hf_dir: Path, mtp: bool = False, use_tqdm_on_load: bo
             if mtp:
                 draft_config = speculative_config.draft_model_config
                 model = loader.load_model(vllm_config, draft_config)
+            if reload:
+                loader.load_weights(model, model_config)
             return model
 
 
