@@ -456,6 +456,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0029": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The progress bar of the GGUF load: goes with the loader.
     "0030": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The faster GGUF header parse: goes with the loader.
+    "0031": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -310,13 +310,13 @@ def test_a_load_reads_each_file_header_once(
     from vllm.model_executor.model_loader import gguf_readers
 
     opened = []
+    parse = gguf.GGUFReader.__init__
 
-    class CountingReader(gguf.GGUFReader):
-        def __init__(self, path, *args, **kwargs):
-            opened.append(str(path))
-            super().__init__(path, *args, **kwargs)
+    def counting_parse(self, path, *args, **kwargs):
+        opened.append(str(path))
+        parse(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_parse)
     path = gguf_files[("glm", variant)]
     files = [path]
     if variant.endswith("split"):
@@ -347,6 +347,58 @@ def test_a_load_reads_each_file_header_once(
         os.utime(copy, ns=(mtime, mtime + 1))
         assert gguf_readers.reader(copy) is not shared
     assert len(opened) == 4
+
+
+def _read_alike(ours, theirs) -> None:
+    assert list(ours.fields) == list(theirs.fields)
+    for key, a in theirs.fields.items():
+        b = ours.fields[key]
+        assert (b.offset, b.name, b.data, b.types) == (a.offset, a.name, a.data, a.types), key
+        assert [(p.dtype, p.tobytes()) for p in b.parts] == [
+            (p.dtype, p.tobytes()) for p in a.parts
+        ], key
+        assert b.contents() == a.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(theirs.tensors, ours.tensors):
+        assert (b.name, b.tensor_type, list(b.shape), b.n_elements, b.n_bytes, b.data_offset) == (
+            a.name, a.tensor_type, list(a.shape), a.n_elements, a.n_bytes, a.data_offset
+        ), a.name
+        assert (b.data.dtype, b.data.shape) == (a.data.dtype, a.data.shape), a.name
+        assert b.data.tobytes() == a.data.tobytes(), a.name
+
+
+def test_the_fast_reader_reads_what_gguf_reads(gguf_files, tmp_path):
+    """0031's FastGGUFReader parses on a plain view of the file's map: every
+    field and tensor of every test file (converter output, quantized, split
+    shards) and of a big-endian file comes out as gguf.GGUFReader reads it."""
+    import gguf
+    import numpy as np
+    from vllm.model_executor.model_loader.gguf_readers import FastGGUFReader
+
+    files = {f for p in gguf_files.values()
+             for f in p.parent.glob(p.name.replace("-00001-of-", "-*-of-"))}
+    assert len(files) > len(gguf_files)  # every shard of the split sets too
+    for path in sorted(files):
+        _read_alike(FastGGUFReader(path), gguf.GGUFReader(path))
+
+    big = tmp_path / "big-endian.gguf"
+    writer = gguf.GGUFWriter(big, "glm-dsa", endianess=gguf.GGUFEndian.BIG)
+    writer.add_uint32("glm-dsa.block_count", 3)
+    writer.add_float32("glm-dsa.rope.freq_base", 1e6)
+    writer.add_token_list(["a", "bc", "\u00e9t\u00e9"])
+    writer.add_token_scores([0.5, -1.0, 2.0])
+    writer.add_tensor("t.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.add_tensor("h.weight", np.arange(8, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = FastGGUFReader(big)
+    assert ours.byte_order == "S"
+    _read_alike(ours, gguf.GGUFReader(big))
+    assert ours.fields["glm-dsa.block_count"].contents() == 3
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == ["a", "bc", "\u00e9t\u00e9"]
+    assert ours.tensors[0].data.tolist() == np.arange(24).reshape(4, 6).tolist()
 
 
 @pytest.mark.parametrize(
