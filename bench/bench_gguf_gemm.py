@@ -19,7 +19,10 @@ prefill):
 - ``dense``: one GGUF linear layer (``_fused_mul_mat_gguf``) likewise:
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
   the engine's choice (up to GRAPH_MAX_TOKENS also replayed in a CUDA graph,
-  as decode batches run it).
+  as decode batches run it); for Q4_K, Q4_0 and Q8_0 also vLLM's dense
+  Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
+  the engine's linear layers do not run it), with its distance from the
+  fp16 product.
 
 Both also time the series' Triton dequantizer of the float paths
 (gguf_dequant.py: Q8_0, Q4_K, Q6_K) and record how far its values are from
@@ -411,11 +414,43 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
             torch.cuda.empty_cache()
 
 
+def marlin_dense(gm, q: torch.Tensor, qtype: T, out: int, inp: int):
+    """vLLM's dense Marlin GEMM on one GGUF linear weight repacked with the
+    series' MoE repack (gguf_marlin_moe, 0028; one expert): x -> x @ W.T.
+    None where the wheel lacks either or the type or shapes have no layout."""
+    if gm is None or not hasattr(torch.ops._C, "marlin_gemm"):
+        return None
+    t = int(qtype)
+    if t not in gm.MARLIN_TYPES or not gm.shapes_fit(t, out, inp):
+        return None
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_make_workspace_new,
+    )
+    from vllm.scalar_type import scalar_types
+
+    w, scales = gm.repack_experts(q.unsqueeze(0), t, inp, torch.float16)
+    kp = gm.marlin_k(t, inp)
+    workspace = marlin_make_workspace_new(q.device, 4)
+    wtype = gm.MARLIN_TYPES[t][0]
+    # Q4_K's uint4 is q - zero: zero points 0 (packed, 8 a word), as 0028 sets them
+    zeros = (torch.zeros(kp // gm.GROUP, out // 8, dtype=torch.int32, device=q.device)
+             if wtype == scalar_types.uint4 else None)
+
+    def gemm(x: torch.Tensor) -> torch.Tensor:
+        return ops.marlin_gemm(gm.marlin_input(x, t, kp), None, w[0], None, scales[0], None,
+                               None, zeros, None, None, workspace, wtype,
+                               size_m=x.shape[0], size_n=out, size_k=kp, is_k_full=True,
+                               use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False)
+    return gemm
+
+
 def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
 
     switch = has_dequant_switch()
     tdq = series_module("gguf_dequant")
+    gm = series_module("gguf_marlin_moe")
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:
@@ -426,6 +461,11 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
             if tdq and tdq.supported(qtype):
                 tdq_exact = _max_diff(tdq.dequantize(q, qtype, torch.float16), w)
                 tdq_ms = ms(tdq.dequantize, q, qtype, torch.float16)
+            marlin_error = None
+            try:
+                marlin = marlin_dense(gm, q, qtype, out, inp)
+            except Exception as e:  # a candidate's failure is a finding, not the run's end
+                marlin, marlin_error = None, f"{type(e).__name__}: {str(e)[:200]}"
             for n in tokens:
                 x = torch.randn(n, inp, device="cuda", generator=gen, dtype=torch.float16)
                 with ggml_only():
@@ -437,6 +477,16 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                 if n <= GRAPH_MAX_TOKENS and switch:  # as decode batches run it
                     graphed["engine_graph_ms"] = graph_ms(functools.partial(
                         torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype)))
+                if marlin is not None:
+                    try:
+                        graphed["marlin_ms"] = ms(marlin, x)
+                        graphed["marlin_max_diff"] = _max_diff(marlin(x), torch.matmul(x, w.T))
+                        if n <= GRAPH_MAX_TOKENS:
+                            graphed["marlin_graph_ms"] = graph_ms(functools.partial(marlin, x))
+                    except Exception as e:
+                        marlin_error = f"{type(e).__name__}: {str(e)[:200]}"
+                if marlin_error:
+                    graphed["marlin_error"] = marlin_error
                 data.row("dense", {"shape": shape, "out": out, "in": inp, "type": qtype.name,
                                    "tokens": n},
                          gguf_ms=gguf_ms, f16_matmul_ms=f16_ms, dequant_ms=dq_ms,
@@ -444,7 +494,10 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                          triton_dequant_max_diff=tdq_exact, **graphed)
                 print(f"dense {shape} {qtype.name:7s} {n:6d} tok: gguf {gguf_ms:8.3f} ms "
                       f"f16 {f16_ms:8.3f} ms dequant {dq_ms:7.3f} ms "
-                      f"engine {engine_ms or 0:8.3f} ms", flush=True)
+                      f"engine {engine_ms or 0:8.3f} ms "
+                      f"graph {graphed.get('engine_graph_ms', 0):7.3f} "
+                      f"marlin {graphed.get('marlin_ms', 0):7.3f} "
+                      f"graph {graphed.get('marlin_graph_ms', 0):7.3f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

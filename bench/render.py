@@ -404,7 +404,7 @@ def _marlin(m: dict) -> str:
     """The Marlin repack's time and distance from the fp16 path, and where
     timed apart, its Marlin GEMMs' and its float path's."""
     if m.get("marlin_ms") is None:
-        return ""
+        return f"failed: {m['marlin_error']}" if m.get("marlin_error") else ""
     out = f"{m['marlin_ms']:.4g} (diff {m['marlin_max_diff']:.1e})"
     if m.get("marlin_float_ms") is not None:
         out += (f"; GEMMs {m['marlin_kernel_ms']:.4g}, float path "
@@ -484,11 +484,18 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         if graphed:
             out += [("Engine (graph): the engine's choice replayed in a CUDA graph, as "
                      "decode batches run it (up to 256 tokens)."), ""]
+        # runs since the dense Marlin candidate was timed: two more columns
+        marlin = any("marlin_ms" in m or "marlin_error" in m for _, m in dense)
+        if marlin:
+            out += [("Marlin: vLLM's dense Marlin GEMM on the weight repacked as 0028 "
+                     "repacks experts (a candidate, not the engine's path), with its distance "
+                     "from the fp16 product; Marlin (graph) replayed in a CUDA graph."), ""]
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
-             *(["engine (graph)"] if graphed else [])],
-            "llrrrrrrrrr" + ("r" if graphed else ""),
+             *(["engine (graph)"] if graphed else []),
+             *(["Marlin", "Marlin (graph)"] if marlin else [])],
+            "llrrrrrrrrr" + ("r" if graphed else "") + ("rr" if marlin else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
@@ -496,7 +503,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt(m.get("engine_ms"), ".4g"),
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f"),
               _triton_dequant(m),
-              *([fmt(m.get("engine_graph_ms"), ".4g")] if graphed else [])]
+              *([fmt(m.get("engine_graph_ms"), ".4g")] if graphed else []),
+              *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
              for i, m in dense],
         )  # fmt: skip
     return "\n".join(out + footer("gguf_gemm")) + "\n"

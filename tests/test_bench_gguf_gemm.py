@@ -82,6 +82,28 @@ def test_the_linear_table_shows_graph_timed_rows_only_in_runs_that_have_them():
     assert rows[0].endswith("|  |") and rows[1].endswith("| 0.0297 |")
 
 
+def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it():
+    import render
+
+    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K", "tokens": 8}
+    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05,
+               "engine_graph_ms": 0.03}
+    old = [{"record": "row", "table": "dense", "inputs": inputs, "figures": figures}]
+    assert "Marlin" not in render.gguf_gemm_md({"env": {}}, old).split("Linear layers")[1]
+    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "type": "Q8_0"},
+                  "figures": {**figures, "marlin_ms": 0.0121, "marlin_max_diff": 6e-4,
+                              "marlin_graph_ms": 0.0093}}]
+    rows = [line for line in render.gguf_gemm_md({"env": {}}, new).splitlines()
+            if line.startswith("| o_proj |")]
+    assert rows[0].endswith("| 0.03 |  |  |")
+    assert rows[1].endswith("| 0.03 | 0.0121 (diff 6.0e-04) | 0.0093 |")
+    failed = old + [{"record": "row", "table": "dense", "inputs": inputs,
+                     "figures": {**figures, "marlin_error": "RuntimeError: no kernel"}}]
+    rows = [line for line in render.gguf_gemm_md({"env": {}}, failed).splitlines()
+            if line.startswith("| o_proj |")]
+    assert rows[1].endswith("| 0.03 | failed: RuntimeError: no kernel |  |")
+
+
 def test_the_marlin_columns_appear_only_in_runs_that_measured_it():
     """Runs before 0028 render as they did; a run with the Marlin repack
     gets its column in both MoE tables, empty for types it does not take."""
