@@ -29,3 +29,49 @@ def test_dsa_gguf_with_hf_config_path_reads_that_config(checkpoints, gguf_files)
         skip_tokenizer_init=True,
     )
     assert config.hf_config.model_type == "glm_moe_dsa"
+
+
+def test_the_architecture_is_read_without_parsing_the_metadata(gguf_files, monkeypatch, tmp_path):
+    """The config check reads general.architecture alone where llama.cpp's
+    writers put it, first (every file the converter wrote here, a split
+    set's first shard among them; both byte orders); a file with another
+    field first is parsed whole, with the same answer."""
+    import gguf
+    import numpy as np
+    from vllm.transformers_utils import gguf_utils
+
+    def write(path, arch_first: bool, endianess):
+        writer = gguf.GGUFWriter(path, "glm-dsa", endianess=endianess)
+        writer.add_uint32("glm-dsa.block_count", 3)
+        writer.add_token_list(["a", "bc"])
+        if not arch_first:  # move it behind the other fields
+            kv = writer.kv_data[0]
+            kv[gguf.Keys.General.ARCHITECTURE] = kv.pop(gguf.Keys.General.ARCHITECTURE)
+        writer.add_tensor("t.weight", np.zeros(4, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    first = {str(path): None for path in gguf_files.values()}
+    for endianess in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
+        first[str(write(tmp_path / f"first-{endianess.name}.gguf", True, endianess))] = None
+    last = [write(tmp_path / f"last-{e.name}.gguf", False, e)
+            for e in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG)]
+    for path in [*first, *last]:
+        reader = gguf.GGUFReader(path)
+        assert (list(reader.fields)[3] == gguf.Keys.General.ARCHITECTURE) == (path in first)
+        arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+        assert arch in ("glm-dsa", "deepseek2", "deepseek32"), path
+        if path in first:
+            first[path] = arch
+        else:
+            assert gguf_utils._gguf_architecture(path) == arch
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("parsed the whole file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    for path, arch in first.items():
+        assert gguf_utils._gguf_architecture(path) == arch, path
