@@ -117,3 +117,32 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+SMALL_GGUF_TOKENS = ["a", "bc", "\u00e9t\u00e9"]
+
+
+def write_small_gguf(dst: Path, endianess, arch_first: bool = True) -> Path:
+    """A small glm-dsa GGUF written by gguf-py in byte order `endianess`
+    (gguf.GGUFEndian): a block count, a RoPE base, SMALL_GGUF_TOKENS and
+    their scores, t.weight (float32 arange(24) as [4, 6]) and h.weight
+    (float16 arange(8)). arch_first=False moves general.architecture behind
+    the other fields (llama.cpp's writers put it first)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(dst, "glm-dsa", endianess=endianess)
+    writer.add_uint32("glm-dsa.block_count", 3)
+    writer.add_float32("glm-dsa.rope.freq_base", 1e6)
+    writer.add_token_list(SMALL_GGUF_TOKENS)
+    writer.add_token_scores([0.5, -1.0, 2.0])
+    if not arch_first:
+        kv = writer.kv_data[0]
+        kv[gguf.Keys.General.ARCHITECTURE] = kv.pop(gguf.Keys.General.ARCHITECTURE)
+    writer.add_tensor("t.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.add_tensor("h.weight", np.arange(8, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

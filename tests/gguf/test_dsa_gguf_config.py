@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from gguf_checks import write_small_gguf
+
 
 @pytest.mark.parametrize("name", ["glm", "dsv32"])
 def test_dsa_gguf_without_hf_config_path_says_what_to_pass(gguf_files, name):
@@ -37,27 +39,12 @@ def test_the_architecture_is_read_without_parsing_the_metadata(gguf_files, monke
     set's first shard among them; both byte orders); a file with another
     field first is parsed whole, with the same answer."""
     import gguf
-    import numpy as np
     from vllm.transformers_utils import gguf_utils
-
-    def write(path, arch_first: bool, endianess):
-        writer = gguf.GGUFWriter(path, "glm-dsa", endianess=endianess)
-        writer.add_uint32("glm-dsa.block_count", 3)
-        writer.add_token_list(["a", "bc"])
-        if not arch_first:  # move it behind the other fields
-            kv = writer.kv_data[0]
-            kv[gguf.Keys.General.ARCHITECTURE] = kv.pop(gguf.Keys.General.ARCHITECTURE)
-        writer.add_tensor("t.weight", np.zeros(4, dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        return path
 
     first = {str(path): None for path in gguf_files.values()}
     for endianess in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
-        first[str(write(tmp_path / f"first-{endianess.name}.gguf", True, endianess))] = None
-    last = [write(tmp_path / f"last-{e.name}.gguf", False, e)
+        first[str(write_small_gguf(tmp_path / f"first-{endianess.name}.gguf", endianess))] = None
+    last = [write_small_gguf(tmp_path / f"last-{e.name}.gguf", e, arch_first=False)
             for e in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG)]
     for path in [*first, *last]:
         reader = gguf.GGUFReader(path)

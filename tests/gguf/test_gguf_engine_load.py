@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gguf_checks import q8_0_bound
+from gguf_checks import SMALL_GGUF_TOKENS, q8_0_bound, write_small_gguf
 from support.gguf_engine_load import engine_loader
 
 
@@ -381,23 +381,12 @@ def test_the_fast_reader_reads_what_gguf_reads(gguf_files, tmp_path):
     for path in sorted(files):
         _read_alike(FastGGUFReader(path), gguf.GGUFReader(path))
 
-    big = tmp_path / "big-endian.gguf"
-    writer = gguf.GGUFWriter(big, "glm-dsa", endianess=gguf.GGUFEndian.BIG)
-    writer.add_uint32("glm-dsa.block_count", 3)
-    writer.add_float32("glm-dsa.rope.freq_base", 1e6)
-    writer.add_token_list(["a", "bc", "\u00e9t\u00e9"])
-    writer.add_token_scores([0.5, -1.0, 2.0])
-    writer.add_tensor("t.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
-    writer.add_tensor("h.weight", np.arange(8, dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    big = write_small_gguf(tmp_path / "big-endian.gguf", gguf.GGUFEndian.BIG)
     ours = FastGGUFReader(big)
     assert ours.byte_order == "S"
     _read_alike(ours, gguf.GGUFReader(big))
     assert ours.fields["glm-dsa.block_count"].contents() == 3
-    assert ours.fields["tokenizer.ggml.tokens"].contents() == ["a", "bc", "\u00e9t\u00e9"]
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == SMALL_GGUF_TOKENS
     assert ours.tensors[0].data.tolist() == np.arange(24).reshape(4, 6).tolist()
 
 
