@@ -458,6 +458,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0030": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The faster GGUF header parse: goes with the loader.
     "0031": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The small linears' float path from 8 tokens: goes with the loader.
+    "0032": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -6,7 +6,8 @@ size on, a GGUF linear layer dequantizes its weight and runs torch.matmul,
 and the routed experts dequantize (a group of experts at a time when they
 are large) and run vLLM's Triton fused MoE.
 
-CPU: which path a batch takes (thresholds, types, VLLM_GGUF_KERNELS=upstream,
+CPU: which path a batch takes (thresholds, types, a linear's size,
+VLLM_GGUF_KERNELS=upstream,
 and =fused: gguf_fused_moe's kernel where it decodes the types; which
 linears a CUDA graph being captured dequantizes),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, random_blocks
@@ -227,6 +229,37 @@ def test_which_batches_dequantize(monkeypatch):
     assert mod.moe_mmq_min_tokens() == 65  # vLLM 0.23: MMQ above 64 tokens
 
 
+def _weight(qtype: QType, rows: int, cols: int) -> torch.Tensor:
+    """A GGUF weight's blocks as the linear layer holds them, without data."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return torch.empty(rows, cols // block_size * type_size, dtype=torch.uint8, device="meta")
+
+
+def test_small_linears_take_the_float_path_from_fewer_tokens(monkeypatch):
+    """Weights of gguf_dequant's types up to DENSE_SMALL_VALUES values (a
+    TP rank's linears) from DENSE_DEQUANT_SMALL_MIN_TOKENS; larger ones (an
+    lm_head), ggml_dequantize's types and calls without the weight from
+    DENSE_DEQUANT_MIN_TOKENS; one token never."""
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    small, n = mod.DENSE_DEQUANT_SMALL_MIN_TOKENS, mod.DENSE_DEQUANT_MIN_TOKENS
+    assert 1 < small < n
+    cols = 6144
+    edge = mod.DENSE_SMALL_VALUES // cols  # rows of the largest small weight
+    for qtype in (QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS, QType.IQ2_XXS):
+        for rows, first in ((2048, small), (edge, small), (edge + 1, n), (19360, n)):
+            w = _weight(qtype, rows, cols)
+            assert mod.dense_dequant_min_tokens(int(qtype), w) == first, (qtype, rows)
+            assert mod.use_dense_dequant(first, int(qtype), w, torch.float16), (qtype, rows)
+            assert not mod.use_dense_dequant(first - 1, int(qtype), w, torch.float16)
+        assert mod.dense_dequant_min_tokens(int(qtype)) == n  # no weight to size
+    q5_0 = _weight(QType.Q5_0, 2048, cols)  # ggml_dequantize's type
+    assert mod.dense_dequant_min_tokens(int(QType.Q5_0), q5_0) == n
+    assert not mod.use_dense_dequant(small, int(QType.F16), _weight(QType.F16, 64, cols))
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
+    assert not mod.use_dense_dequant(n, int(QType.Q4_K), _weight(QType.Q4_K, 64, cols))
+
+
 def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     """Capturing a CUDA graph, a linear layer takes the float path only for a
     weight (type, shape, dtype) that ran it outside a graph before, its
@@ -251,7 +284,8 @@ def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     assert_close_to(mod.dense_dequant(x, raw, q4k), x.double() @ values.T, 1e-5, "Q4_K")
     capturing[0] = True
     assert mod.use_dense_dequant(n, q4k, raw, torch.float32)
-    assert not mod.use_dense_dequant(n - 1, q4k, raw, torch.float32)
+    below = mod.dense_dequant_min_tokens(q4k, raw) - 1
+    assert not mod.use_dense_dequant(below, q4k, raw, torch.float32)
     assert not mod.use_dense_dequant(n, q4k, raw, torch.float16)  # another kernel
     assert not mod.use_dense_dequant(n, q4k, other, torch.float32)  # another weight
     mod.dense_dequant(x, other, q4k)  # in a graph: compiles nothing, readies nothing
@@ -389,9 +423,11 @@ GGML_TOL = 3e-2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("threshold", ["DENSE_DEQUANT_SMALL_MIN_TOKENS",
+                                       "DENSE_DEQUANT_MIN_TOKENS"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
-def test_linear_float_path_in_a_cuda_graph(qtype, monkeypatch):
-    """A decode batch of DENSE_DEQUANT_MIN_TOKENS captured in a CUDA graph:
+def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
+    """A decode batch of either threshold captured in a CUDA graph:
     a weight that never ran outside a graph is captured with ggml's MMQ; one
     that did, with the float path (no MMQ launched while capturing). Both
     graphs' replays on new inputs match fp64."""
@@ -404,7 +440,7 @@ def test_linear_float_path_in_a_cuda_graph(qtype, monkeypatch):
     mmq, real_mmq = [], ops.ggml_mul_mat_a8
     monkeypatch.setattr(ops, "ggml_mul_mat_a8", lambda *a: mmq.append(1) or real_mmq(*a))
     raw, values = random_blocks(qtype, (768, HIDDEN), torch.Generator().manual_seed(3))
-    w, qt, n = raw.cuda(), int(QType[qtype]), mod.DENSE_DEQUANT_MIN_TOKENS
+    w, qt, n = raw.cuda(), int(QType[qtype]), getattr(mod, threshold)
     g = torch.Generator().manual_seed(4)
 
     def fresh() -> torch.Tensor:
