@@ -19,7 +19,10 @@ prefill):
 - ``dense``: one GGUF linear layer (``_fused_mul_mat_gguf``) likewise:
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
   the engine's choice (up to GRAPH_MAX_TOKENS also replayed in a CUDA graph,
-  as decode batches run it); for Q4_K, Q4_0 and Q8_0 also vLLM's dense
+  as decode batches run it, and so is the float path, whichever the engine
+  takes: gguf_dispatch's thresholds come from these two columns), at a TP-8
+  rank's shapes and at wider ones (TP-4, TP-1, DeepSeek-V3.2's dense MLP);
+  for Q4_K, Q4_0 and Q8_0 also vLLM's dense
   Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
   the engine's linear layers do not run it), with its distance from the
   fp16 product.
@@ -93,7 +96,8 @@ MOE_SHAPES = [
     ("glm5-tp4", 256, 6144, 512, 8),
     ("dsv32-tp8", 256, 7168, 256, 8),
 ]
-# (name, out, in): GLM-5 TP-8 rank linears that run as GGUF GEMMs in prefill
+# (name, out, in): a TP rank's linears that run as GGUF GEMMs; GLM-5 TP-8
+# unless named
 DENSE_SHAPES = [
     ("q_a+kv_a (6144 -> 2048+576)", 2624, 6144),
     ("q_b (2048 -> 8 x 256)", 2048, 2048),
@@ -103,6 +107,11 @@ DENSE_SHAPES = [
     # a TP-8 rank's eighth of the vocabulary: run outside the CUDA graphs,
     # dequantized every step from 32 tokens
     ("lm_head (6144 -> 154,880 / 8)", 19360, 6144),
+    # wider weights, where gguf_dispatch's small-linear threshold stops
+    ("TP-4 o_proj (16 x 256 -> 6144)", 6144, 4096),
+    ("DeepSeek-V3.2 TP-8 dense gate_up (7168 -> 2 x 2304)", 4608, 7168),
+    ("TP-4 dense gate_up (6144 -> 2 x 3072)", 6144, 6144),
+    ("TP-1 o_proj (64 x 256 -> 6144)", 6144, 16384),
 ]
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
@@ -445,6 +454,11 @@ def marlin_dense(gm, q: torch.Tensor, qtype: T, out: int, inp: int):
     return gemm
 
 
+def _float_product(tdq, x: torch.Tensor, q: torch.Tensor, qtype) -> torch.Tensor:
+    """The float path of a linear layer: gguf_dequant's weight, torch.matmul."""
+    return torch.matmul(x, tdq.dequantize(q, qtype, x.dtype).T)
+
+
 def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
 
@@ -477,6 +491,9 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                 if n <= GRAPH_MAX_TOKENS and switch:  # as decode batches run it
                     graphed["engine_graph_ms"] = graph_ms(functools.partial(
                         torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype)))
+                if n <= GRAPH_MAX_TOKENS and tdq_ms is not None:  # the float path there
+                    graphed["float_graph_ms"] = graph_ms(functools.partial(
+                        _float_product, tdq, x, q, qtype))
                 if marlin is not None:
                     try:
                         graphed["marlin_ms"] = ms(marlin, x)

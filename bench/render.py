@@ -478,12 +478,17 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             )  # fmt: skip
     dense = rows_of(rows, "dense")
     if dense:
-        out += ["", "## Linear layers (GLM-5, one TP-8 rank)", ""]
+        out += ["", "## Linear layers (one TP rank: GLM-5 TP-8 unless named)", ""]
         # runs since the engine's path was also graph-timed: one more column
         graphed = any("engine_graph_ms" in m for _, m in dense)
         if graphed:
             out += [("Engine (graph): the engine's choice replayed in a CUDA graph, as "
                      "decode batches run it (up to 256 tokens)."), ""]
+        # runs since the float path was also graph-timed: one more column
+        floated = any("float_graph_ms" in m for _, m in dense)
+        if floated:
+            out += [("Float (graph): gguf_dequant's weight and torch.matmul replayed in a "
+                     "CUDA graph, whichever path the engine takes (up to 256 tokens)."), ""]
         # runs since the dense Marlin candidate was timed: two more columns
         marlin = any("marlin_ms" in m or "marlin_error" in m for _, m in dense)
         if marlin:
@@ -494,8 +499,10 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
              *(["engine (graph)"] if graphed else []),
+             *(["float (graph)"] if floated else []),
              *(["Marlin", "Marlin (graph)"] if marlin else [])],
-            "llrrrrrrrrr" + ("r" if graphed else "") + ("rr" if marlin else ""),
+            "llrrrrrrrrr" + ("r" if graphed else "") + ("r" if floated else "")
+            + ("rr" if marlin else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
@@ -504,6 +511,7 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               fmt(m["gguf_ms"] / m["engine_ms"] if m.get("engine_ms") else None, ".2f"),
               _triton_dequant(m),
               *([fmt(m.get("engine_graph_ms"), ".4g")] if graphed else []),
+              *([fmt(m.get("float_graph_ms"), ".4g")] if floated else []),
               *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
              for i, m in dense],
         )  # fmt: skip

@@ -82,6 +82,22 @@ def test_the_linear_table_shows_graph_timed_rows_only_in_runs_that_have_them():
     assert rows[0].endswith("|  |") and rows[1].endswith("| 0.0297 |")
 
 
+def test_the_linear_table_shows_the_graphed_float_path_only_in_runs_that_timed_it():
+    import render
+
+    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K", "tokens": 8}
+    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05,
+               "engine_graph_ms": 0.03}
+    old = [{"record": "row", "table": "dense", "inputs": inputs, "figures": figures}]
+    assert "float (graph)" not in render.gguf_gemm_md({"env": {}}, old)
+    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "type": "Q6_K"},
+                  "figures": {**figures, "float_graph_ms": 0.0221}}]
+    text = render.gguf_gemm_md({"env": {}}, new)
+    assert "| engine (graph) | float (graph) |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| o_proj |")]
+    assert rows[0].endswith("| 0.03 |  |") and rows[1].endswith("| 0.03 | 0.0221 |")
+
+
 def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it():
     import render
 
