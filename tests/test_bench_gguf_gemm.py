@@ -67,56 +67,53 @@ def test_the_graph_table_holds_the_graph_timed_rows():
     assert text.count("Decode batches of glm5-tp8") == 1
 
 
+def _dense_row(type_name: str = "Q4_K", tokens: int = 8, **figures) -> dict:
+    """One o_proj row of the linear table, with the figures every run has."""
+    return {"record": "row", "table": "dense",
+            "inputs": {"shape": "o_proj", "out": 6144, "in": 2048, "type": type_name,
+                       "tokens": tokens},
+            "figures": {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03,
+                        "engine_ms": 0.05, **figures}}
+
+
+def _o_proj_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| o_proj |")]
+
+
 def test_the_linear_table_shows_graph_timed_rows_only_in_runs_that_have_them():
     import render
 
-    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K"}
-    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05}
-    old = [{"record": "row", "table": "dense", "inputs": {**inputs, "tokens": 32},
-            "figures": figures}]
+    old = [_dense_row(tokens=32)]
     assert "engine (graph)" not in render.gguf_gemm_md({"env": {}}, old)
-    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "tokens": 8},
-                  "figures": {**figures, "engine_graph_ms": 0.0297}}]
-    rows = [line for line in render.gguf_gemm_md({"env": {}}, new).splitlines()
-            if line.startswith("| o_proj |")]
+    new = old + [_dense_row(engine_graph_ms=0.0297)]
+    rows = _o_proj_lines(render.gguf_gemm_md({"env": {}}, new))
     assert rows[0].endswith("|  |") and rows[1].endswith("| 0.0297 |")
 
 
 def test_the_linear_table_shows_the_graphed_float_path_only_in_runs_that_timed_it():
     import render
 
-    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K", "tokens": 8}
-    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05,
-               "engine_graph_ms": 0.03}
-    old = [{"record": "row", "table": "dense", "inputs": inputs, "figures": figures}]
+    old = [_dense_row(engine_graph_ms=0.03)]
     assert "float (graph)" not in render.gguf_gemm_md({"env": {}}, old)
-    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "type": "Q6_K"},
-                  "figures": {**figures, "float_graph_ms": 0.0221}}]
+    new = old + [_dense_row("Q6_K", engine_graph_ms=0.03, float_graph_ms=0.0221)]
     text = render.gguf_gemm_md({"env": {}}, new)
     assert "| engine (graph) | float (graph) |" in text
-    rows = [line for line in text.splitlines() if line.startswith("| o_proj |")]
+    rows = _o_proj_lines(text)
     assert rows[0].endswith("| 0.03 |  |") and rows[1].endswith("| 0.03 | 0.0221 |")
 
 
 def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it():
     import render
 
-    inputs = {"shape": "o_proj", "out": 6144, "in": 2048, "type": "Q4_K", "tokens": 8}
-    figures = {"gguf_ms": 0.1, "f16_matmul_ms": 0.02, "dequant_ms": 0.03, "engine_ms": 0.05,
-               "engine_graph_ms": 0.03}
-    old = [{"record": "row", "table": "dense", "inputs": inputs, "figures": figures}]
+    old = [_dense_row(engine_graph_ms=0.03)]
     assert "Marlin" not in render.gguf_gemm_md({"env": {}}, old).split("Linear layers")[1]
-    new = old + [{"record": "row", "table": "dense", "inputs": {**inputs, "type": "Q8_0"},
-                  "figures": {**figures, "marlin_ms": 0.0121, "marlin_max_diff": 6e-4,
-                              "marlin_graph_ms": 0.0093}}]
-    rows = [line for line in render.gguf_gemm_md({"env": {}}, new).splitlines()
-            if line.startswith("| o_proj |")]
+    new = old + [_dense_row("Q8_0", engine_graph_ms=0.03, marlin_ms=0.0121,
+                            marlin_max_diff=6e-4, marlin_graph_ms=0.0093)]
+    rows = _o_proj_lines(render.gguf_gemm_md({"env": {}}, new))
     assert rows[0].endswith("| 0.03 |  |  |")
     assert rows[1].endswith("| 0.03 | 0.0121 (diff 6.0e-04) | 0.0093 |")
-    failed = old + [{"record": "row", "table": "dense", "inputs": inputs,
-                     "figures": {**figures, "marlin_error": "RuntimeError: no kernel"}}]
-    rows = [line for line in render.gguf_gemm_md({"env": {}}, failed).splitlines()
-            if line.startswith("| o_proj |")]
+    failed = old + [_dense_row(engine_graph_ms=0.03, marlin_error="RuntimeError: no kernel")]
+    rows = _o_proj_lines(render.gguf_gemm_md({"env": {}}, failed))
     assert rows[1].endswith("| 0.03 | failed: RuntimeError: no kernel |  |")
 
 
