@@ -460,6 +460,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0031": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The small linears' float path from 8 tokens: goes with the loader.
     "0032": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # A TP rank's GGUF tensors read from the file's map: goes with the loader.
+    "0033": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -2,7 +2,8 @@
 builds for them, through the real loader (GGUFModelLoader.load_model):
 the quant method each layer gets, fused layers laid out the way their
 forward splits them, GLM-5.2's shared indexers (patches 0008-0010), routed
-gate and up experts of different types kept apart (0020).
+gate and up experts of different types kept apart (0020), tensor-parallel
+ranks holding their part of each weight, read from the file's map (0033).
 
 No GPU here: the platform stands in as CUDA SM 12.0 with tensors on the
 CPU (support/gguf_engine_load.py). Layers look their kernels up when they
@@ -11,6 +12,7 @@ are built; loading runs none of them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from gguf_checks import SMALL_GGUF_TOKENS, q8_0_bound, write_small_gguf
-from support.gguf_engine_load import engine_loader
+from support.gguf_engine_load import engine_loader, load_ranks, loaded_tensors
 
 
 @pytest.fixture(scope="module")
@@ -415,3 +417,140 @@ def test_a_load_shows_its_progress(
     assert last.startswith("Loading GGUF tensors: 100% Completed | "), last
     done, total = last.split(" | ")[1].split(" ")[0].split("/")
     assert done == total and total != "0.00", last
+
+
+def _tensor_data_of(path):
+    """gguf-py's tensors of a file (its shards) by name, with the (start,
+    end) address of each shard's map."""
+    from vllm.model_executor.model_loader import gguf_readers
+
+    paths = [path]
+    if "-00001-of-" in path.name:
+        paths = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+    tensors, maps = {}, []
+    for shard in paths:
+        reader = gguf_readers.reader(shard)
+        maps.append((reader.data.ctypes.data, reader.data.ctypes.data + reader.data.nbytes))
+        tensors.update({t.name: t for t in reader.tensors})
+    return paths, tensors, maps
+
+
+@pytest.mark.parametrize("variant", ["q8_0", "bf16", "f32", "f16-split"])
+def test_weights_are_read_from_the_file_s_map(gguf_files, variant):
+    """vLLM 0.23 copied every tensor whole out of the file before a weight
+    loader narrowed out its rank's shard, so each rank of TP 8 copied the
+    whole file. The GGUF weights iterators give each tensor on the file's
+    own memory, with the file's bytes: a rank copies only its shard."""
+    from vllm.model_executor.model_loader import gguf_readers, weight_utils
+
+    with gguf_readers.shared_readers():
+        paths, tensors, maps = _tensor_data_of(gguf_files[("glm", variant)])
+        identity = {name: name for name in tensors}
+        if len(paths) > 1:
+            weights = weight_utils.gguf_quant_weights_iterator_multi(
+                [str(p) for p in paths], identity, use_tqdm_on_load=False)
+        else:
+            weights = weight_utils.gguf_quant_weights_iterator(
+                paths[0], identity, use_tqdm_on_load=False)
+        seen = set()
+        for name, tensor in weights:
+            if name.endswith(".qweight_type"):
+                continue
+            name = name.replace(".qweight", ".weight")
+            start = tensor.data_ptr()
+            end = start + tensor.numel() * tensor.element_size()
+            assert any(lo <= start and end <= hi for lo, hi in maps), f"{name} is a copy"
+            raw = tensors[name].data
+            assert tensor.reshape(-1).view(torch.uint8).numpy().tobytes() == raw.tobytes(), name
+            seen.add(name)
+    assert seen == set(tensors)
+
+
+def test_a_big_endian_file_s_floats_load_as_native_copies(tmp_path):
+    """torch cannot view the other byte order: a big-endian file's float
+    tensors come as native copies with the file's values (vLLM 0.23's
+    torch.tensor raised on them)."""
+    import gguf
+    from vllm.model_executor.model_loader import weight_utils
+
+    path = write_small_gguf(tmp_path / "big-endian.gguf", gguf.GGUFEndian.BIG)
+    weights = dict(weight_utils.gguf_quant_weights_iterator(
+        path, {"t.weight": "t.weight", "h.weight": "h.weight"}, use_tqdm_on_load=False))
+    assert torch.equal(weights["t.weight"], torch.arange(24, dtype=torch.float32).reshape(4, 6))
+    assert torch.equal(weights["h.weight"], torch.arange(8, dtype=torch.float16))
+
+
+def _rank_parts(name: str, full: torch.Tensor, tp: int, shape: torch.Size) -> list[torch.Tensor]:
+    """What each of `tp` ranks holds of `full` (the TP-1 model's tensor) when
+    a rank's tensor has `shape`: all of it (replicated), or its part along
+    the one dimension the ranks split; a merged layer's halves (gate_up,
+    w13: [gate; up]) are each split, a rank holding [its gate; its up]."""
+    if shape == full.shape:
+        return [full] * tp
+    dims = [d for d in range(full.dim()) if full.shape[d] != shape[d]]
+    assert len(dims) == 1 and full.shape[dims[0]] == tp * shape[dims[0]], (
+        f"{name}: {tuple(shape)} is no 1/{tp} of {tuple(full.shape)}")
+    dim = dims[0]
+    merged = "gate_up_proj." in name or ".w13_" in name
+    halves = full.chunk(2 if merged else 1, dim)
+    return [torch.cat([h.chunk(tp, dim)[r] for h in halves], dim) for r in range(tp)]
+
+
+def _gate_up_of_two_types(checkpoints, gguf_files, tmp_path):
+    """The tiny GLM-5 Q8_0 file with layer 1's gate experts Q4_K and up
+    experts Q6_K (0020's split MoE)."""
+    import gguf
+    from gguf import GGMLQuantizationType as QType
+
+    from gguf_checks import write_gguf
+    from support.gguf_moe_ref import random_blocks
+
+    g = torch.Generator().manual_seed(33)
+    gate_raw, _ = random_blocks("Q4_K", (4, 64, 256), g)
+    up_raw, _ = random_blocks("Q6_K", (4, 64, 256), g)
+    return write_gguf(
+        tmp_path / "gate-up.gguf",
+        gguf.GGUFReader(gguf_files[("glm", "q8_0")]),
+        blocks={
+            "blk.1.ffn_gate_exps.weight": (QType.Q4_K, gate_raw.numpy()),
+            "blk.1.ffn_up_exps.weight": (QType.Q6_K, up_raw.numpy()),
+        },
+    )
+
+
+@pytest.mark.parametrize("name, variant", [
+    ("glm", "q8_0"), ("glm", "bf16"), ("glm", "f16-split"), ("glm52", "q8_0"),
+    ("glm", "gate-up-types"),
+])
+def test_tensor_parallel_ranks_hold_their_part_of_each_weight(
+    checkpoints, gguf_files, load_model, tmp_path, name, variant
+):
+    """Users serve these models at TP 4 or 8. Each rank of TP 2, one process
+    a rank as `vllm serve` starts them, holds its part of every tensor of the
+    model loaded at TP 1: the series' loaders (the MLA and indexer tensors,
+    kv_b rebuilt, float and split experts, split files) shard as vLLM's
+    layers do, reading the file's map."""
+    if variant == "gate-up-types":
+        path = _gate_up_of_two_types(checkpoints, gguf_files, tmp_path)
+    else:
+        path = gguf_files[(name, variant)]
+    full = loaded_tensors(load_model(path, checkpoints[name].path))
+    ranks = load_ranks(path, checkpoints[name].path, 2, tmp_path)
+    assert [r.keys() for r in ranks] == [full.keys()] * 2
+    # GLM-5.2's shared layers build an indexer that the file has no
+    # weights for and that never runs: its tensors are never written.
+    config = json.loads((checkpoints[name].path / "config.json").read_text())
+    unused = tuple(f"layers.{i}.self_attn.indexer." for i, kind
+                   in enumerate(config.get("indexer_types", [])) if kind == "shared")
+    split = 0
+    for key, tensor in full.items():
+        if any(prefix in key.replace(".mla_attn", "") for prefix in unused):
+            continue
+        got = [r[key] for r in ranks]
+        assert got[0].shape == got[1].shape, key
+        want = _rank_parts(key, tensor, 2, got[0].shape)
+        split += want[0].shape != tensor.shape
+        for rank in range(2):
+            assert got[rank].dtype == tensor.dtype, f"{key} rank {rank}"
+            assert torch.equal(got[rank], want[rank]), f"{key} rank {rank}"
+    assert split > 10

@@ -36,6 +36,14 @@ class _CudaOnCpu(CudaPlatform):
     def num_compute_units(cls, device_id: int = 0) -> int:
         return 188  # RTX PRO 6000 Blackwell
 
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        # Tensor-parallel ranks (load_ranks) talk over gloo, not NCCL.
+        return (
+            "vllm.distributed.device_communicators.base_device_communicator."
+            "DeviceCommunicatorBase"
+        )
+
 
 class _NoKernels:
     """torch.ops._C stand-in: layers look kernels up, loading runs none."""
@@ -115,6 +123,7 @@ def load_model(
     mtp: bool = False,
     use_tqdm_on_load: bool = True,
     reload: bool = False,
+    rank: tuple[int, int, str] = (0, 1, ""),
 ):
     """The model vLLM builds for the GGUF file `path` (a split set's first
     shard) and the checkpoint config in `hf_dir`, loaded. mtp: then load
@@ -122,7 +131,11 @@ def load_model(
     the draft with the draft's model config and the same VllmConfig (its
     quant config and layer names included). use_tqdm_on_load: vLLM's
     --use-tqdm-on-load. reload: then read the weights again into the loaded
-    model, as a weight reload does (GGUFModelLoader.load_weights)."""
+    model, as a weight reload does (GGUFModelLoader.load_weights). rank:
+    (rank, tensor-parallel size, the ranks' shared file:// init method) of
+    a process of load_ranks: the layers take their shard from the
+    distributed groups; the VllmConfig keeps one rank, as ParallelConfig
+    refuses more ranks than GPUs."""
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -154,6 +167,7 @@ def load_model(
                 target_model_config=model_config,
                 target_parallel_config=ParallelConfig(),
             )
+        tp_rank, tp_size, init_method = rank
         vllm_config = VllmConfig(
             model_config=model_config,
             load_config=LoadConfig(load_format="gguf", use_tqdm_on_load=use_tqdm_on_load),
@@ -163,13 +177,13 @@ def load_model(
         with set_current_vllm_config(vllm_config):
             if not parallel_state.model_parallel_is_initialized():
                 parallel_state.init_distributed_environment(
-                    world_size=1,
-                    rank=0,
-                    local_rank=0,
-                    distributed_init_method=f"file://{tempfile.mktemp()}",
+                    world_size=tp_size,
+                    rank=tp_rank,
+                    local_rank=tp_rank,
+                    distributed_init_method=init_method or f"file://{tempfile.mktemp()}",
                     backend="gloo",
                 )
-                parallel_state.initialize_model_parallel(1, 1)
+                parallel_state.initialize_model_parallel(tp_size, 1)
             loader = GGUFModelLoader(vllm_config.load_config)
             model = loader.load_model(vllm_config, model_config)
             if mtp:
@@ -199,3 +213,47 @@ def engine_loader(monkeypatch) -> Iterator[Callable]:
     finally:
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
+
+
+def _load_rank(rank: int, tp_size: int, init_method: str, path: Path, hf_dir: Path,
+               out: Path) -> None:
+    import os
+
+    import vllm.model_executor.layers.quantization.gguf_split_moe  # noqa: F401
+    import vllm.model_executor.models.deepseek_v2  # noqa: F401
+
+    os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+    os.environ["VLLM_USE_FLASHINFER_MOE_FP16"] = "0"
+    model = load_model(path, hf_dir, rank=(rank, tp_size, init_method))
+    torch.save(loaded_tensors(model), out / f"rank{rank}.pt")
+
+
+def loaded_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() without the GGUF weights no tensor of the file
+    filled (GLM-5.2's shared layers build an indexer the file has no
+    weights for): their qweight, which state_dict() cannot detach, and
+    their qweight_type (never written)."""
+    from torch.nn.parameter import UninitializedParameter
+
+    state = model.state_dict(keep_vars=True)
+    empty = {
+        name.removesuffix("qweight")
+        for name, tensor in state.items()
+        if isinstance(tensor, UninitializedParameter)
+    }
+    return {
+        name: tensor.detach()
+        for name, tensor in state.items()
+        if name.removesuffix("qweight").removesuffix("qweight_type") not in empty
+    }
+
+
+def load_ranks(path: Path, hf_dir: Path, tp_size: int, out: Path) -> list[dict]:
+    """The loaded_tensors of load_model's model in each rank of tensor
+    parallelism `tp_size`: one process a rank (gloo between them), as
+    `vllm serve --tensor-parallel-size` starts its workers."""
+    import torch.multiprocessing as mp
+
+    init_method = f"file://{out / 'init'}"
+    mp.spawn(_load_rank, args=(tp_size, init_method, path, hf_dir, out), nprocs=tp_size)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(tp_size)]
