@@ -20,7 +20,11 @@ prefill):
   ggml's kernels, dequantize + ``torch.matmul``, the dequantize alone and
   the engine's choice (up to GRAPH_MAX_TOKENS also replayed in a CUDA graph,
   as decode batches run it, and so is the float path, whichever the engine
-  takes: gguf_dispatch's thresholds come from these two columns), at a TP-8
+  takes: gguf_dispatch's thresholds come from these two columns; up to
+  CHAIN_MAX_TOKENS the engine's choice, the float path and torch.matmul on
+  fp16 weights are also timed chained, many calls on distinct weights in
+  one graph, as a step's layers run them: no launch gap of the host in the
+  figure, each weight read from memory), at a TP-8
   rank's shapes and at wider ones (TP-4, TP-1, DeepSeek-V3.2's dense MLP);
   for Q4_K, Q4_0 and Q8_0 also vLLM's dense
   Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
@@ -306,6 +310,36 @@ def graph_ms(fn) -> float:
     return ms(graph.replay)
 
 
+def chain_graph_ms(fn, *args) -> float:
+    """Median ms of one ``fn(*args)`` among calls on distinct copies of its
+    weight (the first tensor among ``args`` after the activations, args[0])
+    captured back to back in one CUDA graph, as a step's layers
+    run: graph_ms's figure holds the host's launch of the replay (about
+    7 us: torch.matmul of an 8 MB fp16 weight and one token measures 9 us
+    there), and here each call reads its weight from memory (CHAIN_BYTES of
+    copies, past the L2 cache)."""
+    at = next(i for i, a in enumerate(args) if i > 0 and isinstance(a, torch.Tensor))
+    weight = args[at]
+    copies = [weight.clone() for _ in range(
+        min(CHAIN_MAX_COPIES, max(8, -(-CHAIN_BYTES // weight.nbytes))))]
+    calls = [functools.partial(fn, *args[:at], w, *args[at + 1:]) for w in copies]
+    calls[0]()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return ms(graph.replay) / len(calls)
+
+
+# the copies chain_graph_ms cycles through: twice the L2 cache of an RTX PRO
+# 6000 (128 MB; the H200's is 50 MB)
+CHAIN_BYTES = 256 << 20
+CHAIN_MAX_COPIES = 256
+# batches up to which the chained figures are taken (decode steps of a few
+# sequences: the ones the host's launch gap distorts)
+CHAIN_MAX_TOKENS = 32
+
 # batches up to which ggml's kernels are also timed in CUDA graphs (decode)
 GRAPH_MAX_TOKENS = 256
 
@@ -454,9 +488,13 @@ def marlin_dense(gm, q: torch.Tensor, qtype: T, out: int, inp: int):
     return gemm
 
 
-def _float_product(tdq, x: torch.Tensor, q: torch.Tensor, qtype) -> torch.Tensor:
+def _float_product(x: torch.Tensor, q: torch.Tensor, qtype, tdq) -> torch.Tensor:
     """The float path of a linear layer: gguf_dequant's weight, torch.matmul."""
     return torch.matmul(x, tdq.dequantize(q, qtype, x.dtype).T)
+
+
+def _f16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, w.T)
 
 
 def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
@@ -493,7 +531,15 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                         torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype)))
                 if n <= GRAPH_MAX_TOKENS and tdq_ms is not None:  # the float path there
                     graphed["float_graph_ms"] = graph_ms(functools.partial(
-                        _float_product, tdq, x, q, qtype))
+                        _float_product, x, q, qtype, tdq))
+                if n <= CHAIN_MAX_TOKENS:  # as a step's layers run, back to back
+                    graphed["f16_chain_ms"] = chain_graph_ms(_f16_product, x, w)
+                    if switch:
+                        graphed["engine_chain_ms"] = chain_graph_ms(
+                            torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                    if tdq_ms is not None:
+                        graphed["float_chain_ms"] = chain_graph_ms(
+                            _float_product, x, q, qtype, tdq)
                 if marlin is not None:
                     try:
                         graphed["marlin_ms"] = ms(marlin, x)

@@ -489,6 +489,14 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
         if floated:
             out += [("Float (graph): gguf_dequant's weight and torch.matmul replayed in a "
                      "CUDA graph, whichever path the engine takes (up to 256 tokens)."), ""]
+        # runs since the chained figures were taken: three more columns
+        chained = any("f16_chain_ms" in m for _, m in dense)
+        if chained:
+            out += [("Chained: one call among calls on distinct copies of the weight (256 MiB "
+                     "of them) back to back in one CUDA graph, as a step's layers run: no "
+                     "launch gap of the host, which the (graph) columns hold, and each weight "
+                     "read from memory (up to 32 tokens): the engine's choice, the float path, "
+                     "torch.matmul on the fp16 weight."), ""]
         # runs since the dense Marlin candidate was timed: two more columns
         marlin = any("marlin_ms" in m or "marlin_error" in m for _, m in dense)
         if marlin:
@@ -500,9 +508,10 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
              "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
              *(["engine (graph)"] if graphed else []),
              *(["float (graph)"] if floated else []),
+             *(["engine (chained)", "float (chained)", "fp16 (chained)"] if chained else []),
              *(["Marlin", "Marlin (graph)"] if marlin else [])],
             "llrrrrrrrrr" + ("r" if graphed else "") + ("r" if floated else "")
-            + ("rr" if marlin else ""),
+            + ("rrr" if chained else "") + ("rr" if marlin else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
@@ -512,6 +521,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               _triton_dequant(m),
               *([fmt(m.get("engine_graph_ms"), ".4g")] if graphed else []),
               *([fmt(m.get("float_graph_ms"), ".4g")] if floated else []),
+              *([fmt(m.get(f"{k}_chain_ms"), ".4g") for k in ("engine", "float", "f16")]
+                if chained else []),
               *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
              for i, m in dense],
         )  # fmt: skip

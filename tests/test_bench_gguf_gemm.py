@@ -4,6 +4,8 @@ block scale it sets, for every type it times."""
 
 from __future__ import annotations
 
+import contextlib
+
 import bench_gguf_gemm as bench
 import gguf
 import numpy as np
@@ -102,6 +104,23 @@ def test_the_linear_table_shows_the_graphed_float_path_only_in_runs_that_timed_i
     assert rows[0].endswith("| 0.03 |  |") and rows[1].endswith("| 0.03 | 0.0221 |")
 
 
+def test_the_linear_table_shows_the_chained_figures_only_in_runs_that_took_them():
+    import render
+
+    old = [_dense_row(engine_graph_ms=0.03, float_graph_ms=0.02)]
+    assert "(chained)" not in render.gguf_gemm_md({"env": {}}, old)
+    new = old + [_dense_row(engine_graph_ms=0.03, float_graph_ms=0.02, engine_chain_ms=0.0041,
+                            float_chain_ms=0.0093, f16_chain_ms=0.0038),
+                 _dense_row("Q5_0", engine_graph_ms=0.03, engine_chain_ms=0.005,
+                            f16_chain_ms=0.0038)]
+    text = render.gguf_gemm_md({"env": {}}, new)
+    assert "| float (graph) | engine (chained) | float (chained) | fp16 (chained) |" in text
+    rows = _o_proj_lines(text)
+    assert rows[0].endswith("| 0.02 |  |  |  |")
+    assert rows[1].endswith("| 0.02 | 0.0041 | 0.0093 | 0.0038 |")
+    assert rows[2].endswith("|  | 0.005 |  | 0.0038 |")
+
+
 def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it():
     import render
 
@@ -159,3 +178,47 @@ def test_the_marlin_cell_shows_its_two_ways_where_they_were_timed_apart():
     assert lines[0].endswith("| 3.3 (diff 8.0e-04) |  |")
     assert lines[1].endswith("| 3.3 (diff 8.0e-04); GEMMs 4.43, float path 3.3 "
                              "(diff 6.0e-04) |  |")
+
+
+@pytest.mark.parametrize("nbytes, copies", [(256, 256), (3 << 10, 22), (100 << 10, 8)])
+def test_a_chained_figure_is_one_call_of_many_on_distinct_weights(monkeypatch, nbytes, copies):
+    """chain_graph_ms captures calls on copies of the weight (CHAIN_BYTES of
+    them, 8 to 256), every other argument as given, and divides the
+    replay's time by their count. On CPU: the graph a stand-in that runs
+    what was captured when replayed."""
+    captured, calls = [], []
+
+    class Graph:
+        def replay(self):
+            for call in captured:
+                call()
+
+    @contextlib.contextmanager
+    def capture(graph):
+        recording = calls.copy()
+        yield
+        captured.extend(calls[len(recording):])
+        del calls[len(recording):]
+
+    def fn(x, weight, qtype):
+        calls.append(lambda: seen.append((x, weight, qtype)))
+
+    seen = []
+    monkeypatch.setattr(bench, "CHAIN_BYTES", 64 << 10)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def timed(replay):
+        replay()
+        return 2.0
+
+    monkeypatch.setattr(bench, "ms", timed)
+    x = torch.ones(2, 4)
+    weight = torch.arange(nbytes, dtype=torch.uint8)
+    assert bench.chain_graph_ms(fn, x, weight, 12) == pytest.approx(2.0 / copies)
+    assert len(seen) == copies
+    assert all(a is x and q == 12 for a, _, q in seen)
+    ptrs = {w.data_ptr() for _, w, _ in seen}
+    assert len(ptrs) == copies and weight.data_ptr() not in ptrs
+    assert all(torch.equal(w, weight) for _, w, _ in seen[:2])

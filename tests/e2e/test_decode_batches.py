@@ -8,7 +8,8 @@ where the linears of the series dequantize and run torch.matmul (a weight's
 float path captured only after it ran outside a graph).
 
 On GLM-5, GLM-5.2 and DeepSeek-V3.2 Q4_K_M, batch() prompts of one length
-decode together: the greedy run, then the greedy text of transformers fp32
+decode together (on GLM-5 also small_batch(): 8, where only a TP rank's
+small linears take the float path, 0032): the greedy run, then the greedy text of transformers fp32
 on the file's weights forced (forced_tokens.py), so every path's decode
 steps are on one text, batch() sequences a step, a size vLLM captured.
 Every file's engines start at once. Those steps against transformers in
@@ -38,6 +39,7 @@ from setups import PEER, TRITON_FP16
 pytestmark = pytest.mark.gpu
 
 FILES = [("glm5", "q4_k_m"), ("glm52", "q4_k_m"), ("dsv32", "q4_k_m")]
+SMALL_FILES = FILES[:1]
 PROMPT = 160  # past the test models' index_topk (128): the selection is active
 GENERATED = 12
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
@@ -49,6 +51,15 @@ def batch() -> int:
     from vllm.model_executor.layers.quantization import gguf_dispatch
 
     return max(40, -(-(gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS + 1) // 8) * 8)
+
+
+def small_batch() -> int:
+    """Sequences a step where only a TP rank's small linears (every linear
+    of the test models) take the float path: gguf_dispatch's threshold for
+    them, below the one for the others."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    return gguf_dispatch.DENSE_DEQUANT_SMALL_MIN_TOKENS
 
 
 def batch_prompts(n: int) -> list[list[int]]:
@@ -71,13 +82,23 @@ def runs(manifest, tmp_path_factory) -> dict:
     """Every file's engines at once (E2E_PARALLEL at a time): (model, gguf
     type, path) -> engine result; "prompts"; "texts": each file's forced
     text."""
-    missing = sorted({m for m, _ in FILES} - set(manifest["models"]))
+    return _run_batches(manifest, tmp_path_factory, FILES, batch())
+
+
+@pytest.fixture(scope="module")
+def small_runs(manifest, tmp_path_factory) -> dict:
+    """runs() for GLM-5 at small_batch() sequences a step."""
+    return _run_batches(manifest, tmp_path_factory, SMALL_FILES, small_batch())
+
+
+def _run_batches(manifest, tmp_path_factory, files, n: int) -> dict:
+    missing = sorted({m for m, _ in files} - set(manifest["models"]))
     if missing:
         pytest.fail(f"{missing} not among the built models: run `make e2e-models`")
-    prompts = batch_prompts(batch())
+    prompts = batch_prompts(n)
     work = tmp_path_factory.mktemp("batches")
     texts, jobs = {}, {}
-    for model, gguf_type in FILES:
+    for model, gguf_type in files:
         hf, gguf = model_paths(manifest, model, gguf_type)
         tf = transformers_model(hf, gguf, "cuda")
         texts[(model, gguf_type)] = greedy(tf, prompts, GENERATED)
@@ -120,19 +141,46 @@ PARAMS = pytest.mark.parametrize("model, gguf_type", FILES,
                                  ids=[f"{m}-{t}" for m, t in FILES])
 
 
-@PARAMS
-def test_the_batch_is_past_the_linears_threshold_and_captured(runs, model, gguf_type):
-    from vllm.model_executor.layers.quantization import gguf_dispatch
-
-    assert len(runs["prompts"]) >= gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
+def _captured_on_the_forced_text(runs, model, gguf_type) -> None:
     for name, res in _file_runs(runs, model, gguf_type).items():
         assert res["cuda_graphs"], f"{name}: no CUDA graphs captured"
         assert [r["forced"] for r in res["prompts"]] == runs["texts"][(model, gguf_type)], name
 
 
 @PARAMS
+def test_the_batch_is_past_the_linears_threshold_and_captured(runs, model, gguf_type):
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    assert len(runs["prompts"]) >= gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
+    _captured_on_the_forced_text(runs, model, gguf_type)
+
+
+@pytest.mark.parametrize("model, gguf_type", SMALL_FILES,
+                         ids=[f"{m}-{t}" for m, t in SMALL_FILES])
+def test_the_small_batch_takes_only_the_small_linears_float_path(small_runs, model,
+                                                                 gguf_type):
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    n = len(small_runs["prompts"])
+    assert n >= gguf_dispatch.DENSE_DEQUANT_SMALL_MIN_TOKENS
+    assert n < gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
+    _captured_on_the_forced_text(small_runs, model, gguf_type)
+
+
+@PARAMS
 def test_decode_batches_match_fp32_as_well_as_the_peer(runs, manifest, record, model,
                                                        gguf_type):
+    _judge(runs, manifest, record, model, gguf_type)
+
+
+@pytest.mark.parametrize("model, gguf_type", SMALL_FILES,
+                         ids=[f"{m}-{t}" for m, t in SMALL_FILES])
+def test_small_decode_batches_match_fp32_as_well_as_the_peer(small_runs, manifest, record,
+                                                             model, gguf_type):
+    _judge(small_runs, manifest, record, model, gguf_type)
+
+
+def _judge(runs, manifest, record, model, gguf_type) -> None:
     res = _file_runs(runs, model, gguf_type)
     hf, gguf = model_paths(manifest, model, gguf_type)
     topk = json.loads((hf / "config.json").read_text())["index_topk"]
