@@ -462,6 +462,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0032": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # A TP rank's GGUF tensors read from the file's map: goes with the loader.
     "0033": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # Shared top-k layers without an indexer: builds on 0010's model hunk.
+    "0034": (rb.CONFLICT, "vllm/model_executor/models/deepseek_v2.py"),
 }
 
 

@@ -12,7 +12,6 @@ are built; loading runs none of them.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -21,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from gguf_checks import SMALL_GGUF_TOKENS, q8_0_bound, write_small_gguf
-from support.gguf_engine_load import engine_loader, load_ranks, loaded_tensors
+from support.gguf_engine_load import engine_loader, load_ranks
 
 
 @pytest.fixture(scope="module")
@@ -202,21 +201,45 @@ def test_glm52_shared_layers_reuse_the_previous_topk(
 ):
     """#15.3: GLM-5.2's indexer_types marks layers "shared": no indexer
     tensors in the GGUF, the layer skips the top-k and reuses the buffer
-    of the previous full layer."""
+    of the previous full layer. 0034: a shared layer builds no indexer
+    (no weights, no K cache in the KV cache), only the shared buffer."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache, Indexer
+
     from gguf_checks import GLM52_INDEXER_TYPES
 
     checkpoint = checkpoints["glm52"]
     model = load_model(gguf_files[("glm52", "f16")], checkpoint.path)
     state = load_file(checkpoint.path / "model.safetensors")
+    buffers = set()
     for i, (layer, kind) in enumerate(
         zip(_layers(model), GLM52_INDEXER_TYPES, strict=True)
     ):
         mla = layer.self_attn.mla_attn
         assert mla.skip_topk == (kind == "shared"), (i, kind)
+        assert isinstance(mla.indexer, Indexer) == (kind == "full"), (i, kind)
+        assert mla.topk_tokens == 16, i
+        buffers.add(mla.indexer.topk_indices_buffer.data_ptr())
         if kind == "full":
             ref = state[f"model.layers.{i}.self_attn.indexer.wq_b.weight"]
             got = layer.self_attn.indexer.wq_b.weight
             assert torch.equal(got, ref.half()), i
+        else:
+            assert not [n for n, _ in layer.named_parameters() if ".indexer." in n], i
+            with pytest.raises(RuntimeError, match="reuses the previous layer's top-k"):
+                mla.indexer()
+    assert len(buffers) == 1
+    caches = [m.prefix for m in model.modules() if isinstance(m, DeepseekV32IndexerCache)]
+    assert caches == [f"model.layers.{i}.self_attn.indexer.k_cache"
+                      for i, kind in enumerate(GLM52_INDEXER_TYPES) if kind == "full"]
+
+    # a checkpoint that carries a shared layer's indexer weights anyway (other
+    # IndexCache models may): skipped, the full layers' loaded as before
+    shared = GLM52_INDEXER_TYPES.index("shared")
+    extra = {f"model.layers.{shared}.self_attn.indexer.{w}": torch.zeros(s)
+             for w, s in (("wk.weight", (128, 256)), ("k_norm.weight", (128,)))}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model.load_weights(extra.items()) == set()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize(
@@ -534,18 +557,11 @@ def test_tensor_parallel_ranks_hold_their_part_of_each_weight(
         path = _gate_up_of_two_types(checkpoints, gguf_files, tmp_path)
     else:
         path = gguf_files[(name, variant)]
-    full = loaded_tensors(load_model(path, checkpoints[name].path))
+    full = load_model(path, checkpoints[name].path).state_dict()
     ranks = load_ranks(path, checkpoints[name].path, 2, tmp_path)
     assert [r.keys() for r in ranks] == [full.keys()] * 2
-    # GLM-5.2's shared layers build an indexer that the file has no
-    # weights for and that never runs: its tensors are never written.
-    config = json.loads((checkpoints[name].path / "config.json").read_text())
-    unused = tuple(f"layers.{i}.self_attn.indexer." for i, kind
-                   in enumerate(config.get("indexer_types", [])) if kind == "shared")
     split = 0
     for key, tensor in full.items():
-        if any(prefix in key.replace(".mla_attn", "") for prefix in unused):
-            continue
         got = [r[key] for r in ranks]
         assert got[0].shape == got[1].shape, key
         want = _rank_parts(key, tensor, 2, got[0].shape)

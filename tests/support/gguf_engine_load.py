@@ -225,31 +225,11 @@ def _load_rank(rank: int, tp_size: int, init_method: str, path: Path, hf_dir: Pa
     os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
     os.environ["VLLM_USE_FLASHINFER_MOE_FP16"] = "0"
     model = load_model(path, hf_dir, rank=(rank, tp_size, init_method))
-    torch.save(loaded_tensors(model), out / f"rank{rank}.pt")
-
-
-def loaded_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """model.state_dict() without the GGUF weights no tensor of the file
-    filled (GLM-5.2's shared layers build an indexer the file has no
-    weights for): their qweight, which state_dict() cannot detach, and
-    their qweight_type (never written)."""
-    from torch.nn.parameter import UninitializedParameter
-
-    state = model.state_dict(keep_vars=True)
-    empty = {
-        name.removesuffix("qweight")
-        for name, tensor in state.items()
-        if isinstance(tensor, UninitializedParameter)
-    }
-    return {
-        name: tensor.detach()
-        for name, tensor in state.items()
-        if name.removesuffix("qweight").removesuffix("qweight_type") not in empty
-    }
+    torch.save(model.state_dict(), out / f"rank{rank}.pt")
 
 
 def load_ranks(path: Path, hf_dir: Path, tp_size: int, out: Path) -> list[dict]:
-    """The loaded_tensors of load_model's model in each rank of tensor
+    """The state dicts of load_model's model in each rank of tensor
     parallelism `tp_size`: one process a rank (gloo between them), as
     `vllm serve --tensor-parallel-size` starts its workers."""
     import torch.multiprocessing as mp
