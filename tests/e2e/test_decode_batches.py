@@ -8,10 +8,11 @@ where the linears of the series dequantize and run torch.matmul (a weight's
 float path captured only after it ran outside a graph).
 
 On GLM-5, GLM-5.2 and DeepSeek-V3.2 Q4_K_M, batch() prompts of one length
-decode together (on GLM-5 also small_batch(): 8, where only a TP rank's
-small linears take the float path, 0032): the greedy run, then the greedy text of transformers fp32
-on the file's weights forced (forced_tokens.py), so every path's decode
-steps are on one text, batch() sequences a step, a size vLLM captured.
+decode together (on GLM-5 and GLM-5.2 also small_batch(): 8, where only a
+TP rank's small linears take the float path, 0032): the greedy run, then
+the greedy text of transformers fp32 on the file's weights forced
+(forced_tokens.py), so every path's decode steps are on one text, batch()
+sequences a step, a size vLLM captured.
 Every file's engines start at once. Those steps against transformers in
 fp32 on the file's own weights (both selections, each router near-tie
 taken as the engine took it: judging.routed_alternatives): ours within
@@ -39,7 +40,7 @@ from setups import PEER, TRITON_FP16
 pytestmark = pytest.mark.gpu
 
 FILES = [("glm5", "q4_k_m"), ("glm52", "q4_k_m"), ("dsv32", "q4_k_m")]
-SMALL_FILES = FILES[:1]
+SMALL_FILES = FILES[:2]  # GLM-5.2's shared layers too (0034)
 PROMPT = 160  # past the test models' index_topk (128): the selection is active
 GENERATED = 12
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
@@ -87,7 +88,7 @@ def runs(manifest, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def small_runs(manifest, tmp_path_factory) -> dict:
-    """runs() for GLM-5 at small_batch() sequences a step."""
+    """runs() for GLM-5 and GLM-5.2 at small_batch() sequences a step."""
     return _run_batches(manifest, tmp_path_factory, SMALL_FILES, small_batch())
 
 
