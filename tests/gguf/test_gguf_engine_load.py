@@ -543,7 +543,7 @@ def _gate_up_of_two_types(checkpoints, gguf_files, tmp_path):
 
 @pytest.mark.parametrize("name, variant", [
     ("glm", "q8_0"), ("glm", "bf16"), ("glm", "f16-split"), ("glm52", "q8_0"),
-    ("glm", "gate-up-types"),
+    ("glm", "gate-up-types"), ("glm", "q8_0-mtp"), ("glm52", "f16-mtp"),
 ])
 def test_tensor_parallel_ranks_hold_their_part_of_each_weight(
     checkpoints, gguf_files, load_model, tmp_path, name, variant
@@ -551,14 +551,15 @@ def test_tensor_parallel_ranks_hold_their_part_of_each_weight(
     """Users serve these models at TP 4 or 8. Each rank of TP 2, one process
     a rank as `vllm serve` starts them, holds its part of every tensor of the
     model loaded at TP 1: the series' loaders (the MLA and indexer tensors,
-    kv_b rebuilt, float and split experts, split files) shard as vLLM's
-    layers do, reading the file's map."""
+    kv_b rebuilt, float and split experts, split files, the MTP draft)
+    shard as vLLM's layers do, reading the file's map."""
+    mtp = variant.endswith("-mtp")
     if variant == "gate-up-types":
         path = _gate_up_of_two_types(checkpoints, gguf_files, tmp_path)
     else:
-        path = gguf_files[(name, variant)]
-    full = load_model(path, checkpoints[name].path).state_dict()
-    ranks = load_ranks(path, checkpoints[name].path, 2, tmp_path)
+        path = gguf_files[(name, variant.removesuffix("-mtp"))]
+    full = load_model(path, checkpoints[name].path, mtp=mtp).state_dict()
+    ranks = load_ranks(path, checkpoints[name].path, 2, tmp_path, mtp=mtp)
     assert [r.keys() for r in ranks] == [full.keys()] * 2
     split = 0
     for key, tensor in full.items():

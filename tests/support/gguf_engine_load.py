@@ -216,7 +216,7 @@ def engine_loader(monkeypatch) -> Iterator[Callable]:
 
 
 def _load_rank(rank: int, tp_size: int, init_method: str, path: Path, hf_dir: Path,
-               out: Path) -> None:
+               out: Path, mtp: bool) -> None:
     import os
 
     import vllm.model_executor.layers.quantization.gguf_split_moe  # noqa: F401
@@ -224,16 +224,18 @@ def _load_rank(rank: int, tp_size: int, init_method: str, path: Path, hf_dir: Pa
 
     os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
     os.environ["VLLM_USE_FLASHINFER_MOE_FP16"] = "0"
-    model = load_model(path, hf_dir, rank=(rank, tp_size, init_method))
+    model = load_model(path, hf_dir, mtp=mtp, rank=(rank, tp_size, init_method))
     torch.save(model.state_dict(), out / f"rank{rank}.pt")
 
 
-def load_ranks(path: Path, hf_dir: Path, tp_size: int, out: Path) -> list[dict]:
-    """The state dicts of load_model's model in each rank of tensor
-    parallelism `tp_size`: one process a rank (gloo between them), as
-    `vllm serve --tensor-parallel-size` starts its workers."""
+def load_ranks(path: Path, hf_dir: Path, tp_size: int, out: Path,
+               mtp: bool = False) -> list[dict]:
+    """The state dicts of load_model's model (mtp: its MTP draft) in each
+    rank of tensor parallelism `tp_size`: one process a rank (gloo between
+    them), as `vllm serve --tensor-parallel-size` starts its workers."""
     import torch.multiprocessing as mp
 
     init_method = f"file://{out / 'init'}"
-    mp.spawn(_load_rank, args=(tp_size, init_method, path, hf_dir, out), nprocs=tp_size)
+    mp.spawn(_load_rank, args=(tp_size, init_method, path, hf_dir, out, mtp),
+             nprocs=tp_size)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(tp_size)]
