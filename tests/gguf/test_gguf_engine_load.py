@@ -229,8 +229,29 @@ def test_glm52_shared_layers_reuse_the_previous_topk(
                 mla.indexer()
     assert len(buffers) == 1
     caches = [m.prefix for m in model.modules() if isinstance(m, DeepseekV32IndexerCache)]
-    assert caches == [f"model.layers.{i}.self_attn.indexer.k_cache"
-                      for i, kind in enumerate(GLM52_INDEXER_TYPES) if kind == "full"]
+    full = [i for i, kind in enumerate(GLM52_INDEXER_TYPES) if kind == "full"]
+    assert caches == [f"model.layers.{i}.self_attn.indexer.k_cache" for i in full]
+
+    # the KV cache vLLM lays out for these layers: one group, a tensor for
+    # every MLA layer and every full layer's indexer, a token's bytes those
+    # of 5 MLA caches (fp16: 576 x 2 B) and 3 indexer caches (128 + 4 B)
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+
+    vllm_config = next(m for m in model.modules() if isinstance(m, Indexer)).vllm_config
+    with set_current_vllm_config(vllm_config):
+        specs = {name: m.get_kv_cache_spec(vllm_config) for name, m in model.named_modules()
+                 if isinstance(m, AttentionLayerBase)}
+        (group,) = get_kv_cache_groups(vllm_config, specs)
+        config = get_kv_cache_config_from_groups(vllm_config, [group], 1 << 30)
+    assert group.kv_cache_spec.page_size_bytes == group.kv_cache_spec.block_size * (
+        len(GLM52_INDEXER_TYPES) * 1152 + len(full) * 132)
+    assert sorted(name for t in config.kv_cache_tensors for name in t.shared_by) == sorted(specs)
+    assert len(specs) == len(GLM52_INDEXER_TYPES) + len(full)
 
     # a checkpoint that carries a shared layer's indexer weights anyway (other
     # IndexCache models may): skipped, the full layers' loaded as before
