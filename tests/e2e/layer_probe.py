@@ -78,8 +78,7 @@ class Hooks:
             indexer = getattr(layer.self_attn, "indexer", None)
             if indexer is None:  # vLLM: on the MLA wrapper
                 indexer = getattr(getattr(layer.self_attn, "mla_attn", None), "indexer", None)
-            # a layer that reuses the previous top-k holds no indexer module
-            if isinstance(indexer, torch.nn.Module):
+            if indexer is not None:
                 indexer.register_forward_hook(self._hook(i, "topk"))
 
     def _hook(self, layer: int, what: str):
