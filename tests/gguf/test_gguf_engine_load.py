@@ -228,6 +228,12 @@ def test_glm52_shared_layers_reuse_the_previous_topk(
             with pytest.raises(RuntimeError, match="reuses the previous layer's top-k"):
                 mla.indexer()
     assert len(buffers) == 1
+    # MTP layers (past the model's layers) keep an indexer: the drafter
+    # switches their skip on and off
+    from vllm.model_executor.models.dsa_shared_topk import reuses_previous_topk
+
+    assert reuses_previous_topk(True, 4, 5) and not reuses_previous_topk(True, 5, 5)
+    assert not reuses_previous_topk(False, 2, 5)
     caches = [m.prefix for m in model.modules() if isinstance(m, DeepseekV32IndexerCache)]
     full = [i for i, kind in enumerate(GLM52_INDEXER_TYPES) if kind == "full"]
     assert caches == [f"model.layers.{i}.self_attn.indexer.k_cache" for i in full]
