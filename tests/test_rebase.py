@@ -464,6 +464,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0033": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # Shared top-k layers without an indexer: builds on 0010's model hunk.
     "0034": (rb.CONFLICT, "vllm/model_executor/models/deepseek_v2.py"),
+    # Fused GGUF linears of one type as one weight: goes with the loader.
+    "0035": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -86,6 +86,17 @@ def _cpu_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qweight_type: int):
     return x @ weight.T
 
 
+class CpuMulMat:
+    """_cpu_mul_mat, recording each call's (weight rows, type)."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, x, qweight, qweight_type):
+        self.calls.append((qweight.shape[0], qweight_type))
+        return _cpu_mul_mat(x, qweight, qweight_type)
+
+
 @pytest.mark.parametrize("name", ["glm", "dsv3", "glm52"])
 def test_fused_qkv_a_follows_declared_shard_order(
     checkpoints, gguf_files, load_model, monkeypatch, name
@@ -99,9 +110,10 @@ def test_fused_qkv_a_follows_declared_shard_order(
     path = gguf_files[(name, "q8_0")]
     model = load_model(path, checkpoint.path)
     state = load_file(checkpoint.path / "model.safetensors")
-    monkeypatch.setattr(gguf_quant, "fused_mul_mat_gguf", _cpu_mul_mat)
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     for i, layer in enumerate(_layers(model)):
+        mul_mat = CpuMulMat()
+        monkeypatch.setattr(gguf_quant, "fused_mul_mat_gguf", mul_mat)
         fused = layer.self_attn.fused_qkv_a_proj
         prefix = f"model.layers.{i}.self_attn."
         refs = [
@@ -119,11 +131,71 @@ def test_fused_qkv_a_follows_declared_shard_order(
             err = (got.double() - ref.double()).abs()
             assert (err <= q8_0_bound(ref)).all(), f"{prefix} shard {shard}"
             start = end
-        # What the layer computes: [q_a | kv_a] of the input.
+        # What the layer computes: [q_a | kv_a] of the input, the two Q8_0
+        # shards as one weight (0035).
         out = fused.quant_method.apply(fused, x)
         want = x @ torch.cat(refs).T
         rel = ((out - want).norm() / want.norm()).item()
         assert rel < 2e-2, f"{prefix}: relative error {rel}"
+        assert mul_mat.calls == [(qweight.shape[0], qtype)], prefix
+
+
+@pytest.mark.parametrize("kernels", ["series", "upstream"])
+def test_fused_shards_run_as_one_weight_where_they_share_a_type(
+    checkpoints, gguf_files, load_model, monkeypatch, tmp_path, kernels
+):
+    """0035: a fused linear whose shards share a GGUF type (q_a + kv_a,
+    gate + up) runs as one weight, one kernel; shards of different types
+    run one by one, as does vLLM 0.23's choice (VLLM_GGUF_KERNELS=upstream,
+    the benchmark's peer). Both compute [q_a | kv_a] of the file's values.
+    Layer 0's attn_q_a here is Q4_K (random blocks), its attn_kv_a_mqa Q8_0;
+    layer 1 keeps the converter's Q8_0 for both."""
+    import gguf
+    from gguf import GGMLQuantizationType as QType
+    from vllm.model_executor.layers.quantization import gguf as gguf_quant
+
+    from gguf_checks import write_gguf
+    from support.gguf_moe_ref import random_blocks
+
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", kernels)
+    checkpoint = checkpoints["glm"]
+    src = gguf.GGUFReader(gguf_files[("glm", "q8_0")])
+    file_data = {t.name: t for t in src.tensors}
+    g = torch.Generator().manual_seed(35)
+    q_a = file_data["blk.0.attn_q_a.weight"]
+    rows, cols = (int(d) for d in reversed(q_a.shape.tolist()))
+    q_a_raw, q_a_values = random_blocks("Q4_K", (rows, cols), g)
+    path = write_gguf(
+        tmp_path / "mixed.gguf", src,
+        blocks={"blk.0.attn_q_a.weight": (QType.Q4_K, q_a_raw.numpy())},
+    )
+    model = load_model(path, checkpoint.path)
+    x = torch.randn(3, cols, generator=g)
+    for i, types in ((0, [QType.Q4_K, QType.Q8_0]), (1, [QType.Q8_0, QType.Q8_0])):
+        fused = _layers(model)[i].self_attn.fused_qkv_a_proj
+        shard_types = fused.qweight_type.shard_weight_type
+        assert [shard_types[s] for s in fused.qweight.shard_id] == types, i
+        mul_mat = CpuMulMat()
+        monkeypatch.setattr(gguf_quant, "fused_mul_mat_gguf", mul_mat)
+        out = fused.quant_method.apply(fused, x)
+        kv_a = file_data[f"blk.{i}.attn_kv_a_mqa.weight"]
+        kv_a = _q8_0_dequant(torch.from_numpy(kv_a.data.copy()), kv_a.tensor_type)
+        if i == 0:
+            q_a_ref = q_a_values
+        else:
+            q_a_file = file_data["blk.1.attn_q_a.weight"]
+            q_a_ref = _q8_0_dequant(
+                torch.from_numpy(q_a_file.data.copy()), q_a_file.tensor_type
+            )
+        want = x.double() @ torch.cat([q_a_ref.double(), kv_a.double()]).T
+        assert torch.isfinite(out).all(), i
+        err = (out.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, f"layer {i}: max |err| {err:.3g} of max |ref|"
+        one_weight = kernels == "series" and types[0] == types[1]
+        if one_weight:
+            assert mul_mat.calls == [(rows + kv_a.shape[0], types[0])], i
+        else:
+            assert mul_mat.calls == [(rows, types[0]), (kv_a.shape[0], types[1])], i
 
 
 def test_gate_and_up_experts_of_different_types_run_split(

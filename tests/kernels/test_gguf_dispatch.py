@@ -18,7 +18,8 @@ equal to the fp64 reference, for one group, several and one expert a group.
 GPU (`-m gpu`): the real kernels through the registered ops, in fp16 and
 bf16, against the fp64 reference of the same blocks: tighter than ggml's
 kernels (which quantize the activations to 8 bits); a linear op captured in
-a CUDA graph, with and without a run outside one first, replayed.
+a CUDA graph, with and without a run outside one first, replayed; a fused
+linear layer's shards of one type as one weight against shard by shard.
 """
 
 from __future__ import annotations
@@ -470,6 +471,65 @@ def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
         ref = x.cpu().double() @ values.T
         assert_close_to(float_out.cpu(), ref, GPU_TOL[torch.float16], f"{qtype} float path")
         assert_close_to(ggml_out.cpu(), ref, GGML_TOL, f"{qtype} MMQ")
+
+
+def fused_gguf_linear(shards: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """A GGUFLinearMethod layer of fused shards [(type name, raw blocks)] on
+    the GPU, its parameters filled as MergedColumnParallelLinear's
+    weight_loader fills them from a GGUF, then processed after loading."""
+    from vllm.model_executor.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
+
+    layer = torch.nn.Module()
+    method = GGUFLinearMethod(GGUFConfig())
+    rows = [raw.shape[0] for _, raw in shards]
+    with torch.device("cuda"):  # as the loader builds the model
+        method.create_weights(layer, HIDDEN, rows, HIDDEN, sum(rows), torch.float16)
+        # llama.cpp's order: the last shard first (attn_kv_a_mqa before attn_q_a)
+        for shard in reversed(range(len(shards))):
+            qtype, raw = shards[shard]
+            layer.qweight.shard_id.append(shard)
+            layer.qweight.shard_id_map[shard] = len(layer.qweight.data_container)
+            layer.qweight.data_container.append(raw)
+            layer.qweight_type.shard_weight_type[shard] = int(QType[qtype])
+        method.process_weights_after_loading(layer)
+    assert layer.qweight.is_cuda
+    layer.quant_method = method
+    return layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K"), ("Q6_K", "Q6_K"), ("Q8_0", "Q8_0"),
+                                   ("Q5_0", "Q5_0"), ("Q4_K", "Q6_K")], ids="-".join)
+def test_fused_linear_on_the_gpu(types, tokens, monkeypatch):
+    """0035: a fused layer (640 + 192 rows, as q_a + kv_a) through the
+    method's apply on the real kernels: shards of one type as one weight,
+    equal to the same kernels shard by shard where ggml's kernels run (each
+    row its own weight row's product) and within the float path's rounding
+    where it runs; both against fp64."""
+    from vllm.model_executor.layers.quantization.gguf import fused_mul_mat_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(35)
+    blocks = [random_blocks(t, (r, HIDDEN), g) for t, r in zip(types, (640, 192))]
+    layer = fused_gguf_linear([(t, raw) for t, (raw, _) in zip(types, blocks)])
+    one_weight = types[0] == types[1]
+    assert layer.qweight.fused_type == (int(QType[types[0]]) if one_weight else None)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.float16).cuda()
+    out = layer.quant_method.apply(layer, x)
+    shard_by_shard = torch.cat(
+        [fused_mul_mat_gguf(x, raw.cuda(), int(QType[t])) for t, (raw, _) in zip(types, blocks)],
+        dim=1,
+    )
+    torch.cuda.synchronize()
+    ref = x.cpu().double() @ torch.cat([values for _, values in blocks]).T
+    float_path = mod.use_dense_dequant(tokens, int(QType[types[0]]), layer.qweight, x.dtype)
+    tol = GPU_TOL[torch.float16] if float_path else GGML_TOL
+    assert_close_to(out.cpu(), ref, tol, f"{types} at {tokens} tokens")
+    assert_close_to(shard_by_shard.cpu(), ref, tol, f"{types} shard by shard")
+    if not (one_weight and float_path):
+        assert torch.equal(out, shard_by_shard), f"{types} at {tokens} tokens"
 
 
 @pytest.mark.gpu
