@@ -24,7 +24,8 @@ prefill):
   CHAIN_MAX_TOKENS the engine's choice, the float path and torch.matmul on
   fp16 weights are also timed chained, many calls on distinct weights in
   one graph, as a step's layers run them: no launch gap of the host in the
-  figure, each weight read from memory), at a TP-8
+  figure, each weight read from memory; a fused layer also shard by shard,
+  as vLLM 0.23 runs it, against the one weight of 0035), at a TP-8
   rank's shapes and at wider ones (TP-4, TP-1, DeepSeek-V3.2's dense MLP);
   for Q4_K, Q4_0 and Q8_0 also vLLM's dense
   Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
@@ -117,6 +118,14 @@ DENSE_SHAPES = [
     ("TP-4 dense gate_up (6144 -> 2 x 3072)", 6144, 6144),
     ("TP-1 o_proj (64 x 256 -> 6144)", 6144, 16384),
 ]
+# the fused layers among them: their shards' rows, which vLLM 0.23 runs one
+# call a shard (the series as one weight where they share a type, 0035)
+FUSED_SHARDS = {
+    "q_a+kv_a (6144 -> 2048+576)": (2048, 576),
+    "dense gate_up (6144 -> 2 x 1536)": (1536, 1536),
+    "DeepSeek-V3.2 TP-8 dense gate_up (7168 -> 2 x 2304)": (2304, 2304),
+    "TP-4 dense gate_up (6144 -> 2 x 3072)": (3072, 3072),
+}
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 
@@ -497,6 +506,15 @@ def _f16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w.T)
 
 
+def _shard_by_shard(x: torch.Tensor, q: torch.Tensor, qtype: int,
+                    rows: tuple[int, ...], op=None) -> torch.Tensor:
+    """vLLM 0.23's fused GGUF linear: the engine's choice (``op``) a shard,
+    on the shard's rows of the fused weight, then their concatenation."""
+    op = op or torch.ops.vllm._fused_mul_mat_gguf
+    starts = [sum(rows[:i]) for i in range(len(rows) + 1)]
+    return torch.cat([op(x, q[a:b], qtype) for a, b in zip(starts, starts[1:])], dim=1)
+
+
 def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> None:
     import vllm.model_executor.layers.quantization.gguf  # noqa: F401  registers the op
 
@@ -537,6 +555,9 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                     if switch:
                         graphed["engine_chain_ms"] = chain_graph_ms(
                             torch.ops.vllm._fused_mul_mat_gguf, x, q, int(qtype))
+                    if switch and shape in FUSED_SHARDS:
+                        graphed["shards_chain_ms"] = chain_graph_ms(
+                            _shard_by_shard, x, q, int(qtype), FUSED_SHARDS[shape])
                     if tdq_ms is not None:
                         graphed["float_chain_ms"] = chain_graph_ms(
                             _float_product, x, q, qtype, tdq)

@@ -497,6 +497,13 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
                      "launch gap of the host, which the (graph) columns hold, and each weight "
                      "read from memory (up to 32 tokens): the engine's choice, the float path, "
                      "torch.matmul on the fp16 weight."), ""]
+        # runs since fused layers were also chained shard by shard: one more column
+        sharded = any("shards_chain_ms" in m for _, m in dense)
+        if sharded:
+            out += [("Shard by shard (chained): a fused layer (q_a+kv_a, gate_up) as vLLM "
+                     "0.23 runs it, the engine's choice a shard and their concatenation; "
+                     "the series runs shards of one type as one weight (0035), the engine "
+                     "(chained) column."), ""]
         # runs since the dense Marlin candidate was timed: two more columns
         marlin = any("marlin_ms" in m or "marlin_error" in m for _, m in dense)
         if marlin:
@@ -509,9 +516,10 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
              *(["engine (graph)"] if graphed else []),
              *(["float (graph)"] if floated else []),
              *(["engine (chained)", "float (chained)", "fp16 (chained)"] if chained else []),
+             *(["shard by shard (chained)"] if sharded else []),
              *(["Marlin", "Marlin (graph)"] if marlin else [])],
             "llrrrrrrrrr" + ("r" if graphed else "") + ("r" if floated else "")
-            + ("rrr" if chained else "") + ("rr" if marlin else ""),
+            + ("rrr" if chained else "") + ("r" if sharded else "") + ("rr" if marlin else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
@@ -523,6 +531,7 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               *([fmt(m.get("float_graph_ms"), ".4g")] if floated else []),
               *([fmt(m.get(f"{k}_chain_ms"), ".4g") for k in ("engine", "float", "f16")]
                 if chained else []),
+              *([fmt(m.get("shards_chain_ms"), ".4g")] if sharded else []),
               *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
              for i, m in dense],
         )  # fmt: skip

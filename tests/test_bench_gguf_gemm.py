@@ -121,6 +121,44 @@ def test_the_linear_table_shows_the_chained_figures_only_in_runs_that_took_them(
     assert rows[2].endswith("|  | 0.005 |  | 0.0038 |")
 
 
+def test_the_linear_table_shows_fused_layers_shard_by_shard_only_in_runs_that_took_them():
+    import render
+
+    chained = dict(engine_graph_ms=0.03, float_graph_ms=0.02, engine_chain_ms=0.0041,
+                   float_chain_ms=0.0093, f16_chain_ms=0.0038)
+    old = [_dense_row(**chained)]
+    assert "shard by shard" not in render.gguf_gemm_md({"env": {}}, old)
+    new = old + [_dense_row(**chained, shards_chain_ms=0.0097)]
+    text = render.gguf_gemm_md({"env": {}}, new)
+    assert "| fp16 (chained) | shard by shard (chained) |" in text
+    rows = _o_proj_lines(text)
+    assert rows[0].endswith("| 0.0038 |  |") and rows[1].endswith("| 0.0038 | 0.0097 |")
+
+
+@pytest.mark.parametrize("shape", sorted(bench.FUSED_SHARDS))
+def test_shard_by_shard_computes_the_fused_layer(shape):
+    """The shards add up to their layer's rows, and one call a shard on its
+    rows, concatenated, is the fused weight's product (a CPU stand-in of the
+    engine's op: gguf-py's dequantizer, then the product)."""
+    (out,) = [o for name, o, _ in bench.DENSE_SHAPES if name == shape]
+    rows = bench.FUSED_SHARDS[shape]
+    assert sum(rows) == out
+    calls = []
+
+    def op(x, q, qtype):
+        calls.append(q.shape[0])
+        w = gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType(qtype))
+        return x @ torch.from_numpy(w).T
+
+    gen = torch.Generator().manual_seed(35)
+    small = [r // 64 for r in rows]  # the layer's proportions, few rows
+    q = bench.random_blocks(gguf.GGMLQuantizationType.Q8_0, sum(small), 64, gen, device="cpu")
+    x = torch.randn(2, 64, generator=gen)
+    got = bench._shard_by_shard(x, q, int(gguf.GGMLQuantizationType.Q8_0), tuple(small), op)
+    assert calls == small
+    assert torch.allclose(got, op(x, q, int(gguf.GGMLQuantizationType.Q8_0)))
+
+
 def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it():
     import render
 
