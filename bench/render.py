@@ -479,37 +479,35 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
     dense = rows_of(rows, "dense")
     if dense:
         out += ["", "## Linear layers (one TP rank: GLM-5 TP-8 unless named)", ""]
-        # runs since the engine's path was also graph-timed: one more column
-        graphed = any("engine_graph_ms" in m for _, m in dense)
-        if graphed:
-            out += [("Engine (graph): the engine's choice replayed in a CUDA graph, as "
-                     "decode batches run it (up to 256 tokens)."), ""]
-        # runs since the float path was also graph-timed: one more column
-        floated = any("float_graph_ms" in m for _, m in dense)
-        if floated:
-            out += [("Float (graph): gguf_dequant's weight and torch.matmul replayed in a "
-                     "CUDA graph, whichever path the engine takes (up to 256 tokens)."), ""]
-        # runs since the chained figures were taken: three more columns
-        chained = any("f16_chain_ms" in m for _, m in dense)
-        if chained:
-            out += [("Chained: one call among calls on distinct copies of the weight (256 MiB "
-                     "of them) back to back in one CUDA graph, as a step's layers run: no "
-                     "launch gap of the host, which the (graph) columns hold, and each weight "
-                     "read from memory (up to 32 tokens): the engine's choice, the float path, "
-                     "torch.matmul on the fp16 weight."), ""]
-        # runs since fused layers were also chained shard by shard: one more column
-        sharded = any("shards_chain_ms" in m for _, m in dense)
-        if sharded:
-            out += [("Shard by shard (chained): a fused layer (q_a+kv_a, gate_up) as vLLM "
-                     "0.23 runs it, the engine's choice a shard and their concatenation; "
-                     "the series runs shards of one type as one weight (0035), the engine "
-                     "(chained) column."), ""]
-        # runs since the dense Marlin candidate was timed: two more columns
-        marlin = any("marlin_ms" in m or "marlin_error" in m for _, m in dense)
-        if marlin:
-            out += [("Marlin: vLLM's dense Marlin GEMM on the weight repacked as 0028 "
-                     "repacks experts (a candidate, not the engine's path), with its distance "
-                     "from the fp16 product; Marlin (graph) replayed in a CUDA graph."), ""]
+        def taken(*keys: str, note: str) -> bool:
+            """Whether the run took a column's figures (runs since it was
+            added): any row with one of keys; its note then goes above the
+            table."""
+            found = any(k in m for _, m in dense for k in keys)
+            if found:
+                out.extend([note, ""])
+            return found
+
+        graphed = taken("engine_graph_ms", note=(
+            "Engine (graph): the engine's choice replayed in a CUDA graph, as decode "
+            "batches run it (up to 256 tokens)."))
+        floated = taken("float_graph_ms", note=(
+            "Float (graph): gguf_dequant's weight and torch.matmul replayed in a CUDA "
+            "graph, whichever path the engine takes (up to 256 tokens)."))
+        chained = taken("f16_chain_ms", note=(
+            "Chained: one call among calls on distinct copies of the weight (256 MiB of "
+            "them) back to back in one CUDA graph, as a step's layers run: no launch gap "
+            "of the host, which the (graph) columns hold, and each weight read from memory "
+            "(up to 32 tokens): the engine's choice, the float path, torch.matmul on the "
+            "fp16 weight."))
+        sharded = taken("shards_chain_ms", note=(
+            "Shard by shard (chained): a fused layer (q_a+kv_a, gate_up) as vLLM 0.23 runs "
+            "it, the engine's choice a shard and their concatenation; the series runs "
+            "shards of one type as one weight (0035), the engine (chained) column."))
+        marlin = taken("marlin_ms", "marlin_error", note=(
+            "Marlin: vLLM's dense Marlin GEMM on the weight repacked as 0028 repacks "
+            "experts (a candidate, not the engine's path), with its distance from the fp16 "
+            "product; Marlin (graph) replayed in a CUDA graph."))
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
