@@ -112,11 +112,17 @@ DENSE_SHAPES = [
     # a TP-8 rank's eighth of the vocabulary: run outside the CUDA graphs,
     # dequantized every step from 32 tokens
     ("lm_head (6144 -> 154,880 / 8)", 19360, 6144),
-    # wider weights, where gguf_dispatch's small-linear threshold stops
+    # wider weights: other TP sizes and DeepSeek-V3.2, around where
+    # gguf_dispatch's float path from 8 tokens stops (DENSE_SMALL_ROWS)
     ("TP-4 o_proj (16 x 256 -> 6144)", 6144, 4096),
     ("DeepSeek-V3.2 TP-8 dense gate_up (7168 -> 2 x 2304)", 4608, 7168),
     ("TP-4 dense gate_up (6144 -> 2 x 3072)", 6144, 6144),
     ("TP-1 o_proj (64 x 256 -> 6144)", 6144, 16384),
+    ("TP-2 q_b (2048 -> 32 x 256)", 8192, 2048),
+    ("DeepSeek-V3.2 TP-4 dense gate_up (7168 -> 2 x 4608)", 9216, 7168),
+    ("TP-2 dense gate_up (6144 -> 2 x 6144)", 12288, 6144),
+    ("DeepSeek-V3.2 lm_head (7168 -> 129,280 / 8)", 16160, 7168),
+    ("TP-1 q_b (2048 -> 64 x 256)", 16384, 2048),
 ]
 # the fused layers among them: their shards' rows, which vLLM 0.23 runs one
 # call a shard (the series as one weight where they share a type, 0035)
@@ -125,6 +131,8 @@ FUSED_SHARDS = {
     "dense gate_up (6144 -> 2 x 1536)": (1536, 1536),
     "DeepSeek-V3.2 TP-8 dense gate_up (7168 -> 2 x 2304)": (2304, 2304),
     "TP-4 dense gate_up (6144 -> 2 x 3072)": (3072, 3072),
+    "DeepSeek-V3.2 TP-4 dense gate_up (7168 -> 2 x 4608)": (4608, 4608),
+    "TP-2 dense gate_up (6144 -> 2 x 6144)": (6144, 6144),
 }
 TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
