@@ -619,9 +619,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     skip = set(filter(None, args.skip.split(",")))
-    # a run stopped by a time limit still writes what it measured (finally below)
+    # a run stopped by a time limit still writes what it measured (finally below);
+    # one killed outright leaves its rows in gguf_gemm.jsonl.partial
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = results_dir(env.get("card", "unknown-card"), args.results)
+    data.keep_partial(folder)
     try:
         if "dense" not in skip:
             bench_dense(data, tokens, gen)

@@ -430,6 +430,7 @@ def main():
     harness.WARM_ONLY = args.warm_only
     env = environment()
     data = BenchData("sparse_mla", env)
+    data.keep_partial(results_dir(env["card"], args.results))  # rows kept if killed
     print(json.dumps(env), flush=True)
     op = None
     if not args.warm_only:

@@ -132,7 +132,11 @@ def command_line(argv: list[str]) -> str:
 
 class BenchData:
     """The records of one run of one bench, written in one go by
-    :meth:`write` (a failed run leaves the previous file as it was)."""
+    :meth:`write` (a failed run leaves the previous file as it was). With
+    :meth:`keep_partial`, each row is also appended to
+    ``<bench>.jsonl.partial`` as it is measured, so that a run killed
+    before :meth:`write` (a time limit, a machine taken back) keeps what
+    it measured beside the previous file."""
 
     def __init__(self, bench: str, env: dict[str, Any]):
         if not re.fullmatch(r"[a-z0-9_]+", bench):
@@ -142,12 +146,29 @@ class BenchData:
         self.figures: dict[str, Any] = {}
         self.notes: list[str] = []
         self.rows: list[dict[str, Any]] = []
+        self._partial: Path | None = None
+
+    def keep_partial(self, folder: Path) -> Path:
+        """Start <folder>/<bench>.jsonl.partial: the run record (without the
+        figures known at the end), then each row as :meth:`row` records it."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._partial = folder / f"{self.bench}.jsonl.partial"
+        self._partial.write_text(self.lines()[0] + "\n", encoding="utf-8")
+        for r in self.rows:
+            self._append(r)
+        return self._partial
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self._partial, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     def row(self, table: str, inputs: dict[str, Any], **figures: Any) -> None:
         """One measured case of ``table``: what ran and what was measured."""
-        self.rows.append(
-            {"record": "row", "table": table, "inputs": inputs, "figures": figures}
-        )
+        record = {"record": "row", "table": table, "inputs": inputs, "figures": figures}
+        self.rows.append(record)
+        if self._partial is not None:
+            self._append(record)
 
     def lines(self) -> list[str]:
         run = {
@@ -167,6 +188,9 @@ class BenchData:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("\n".join(self.lines()) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+        if self._partial is not None:
+            self._partial.unlink(missing_ok=True)
+            self._partial = None
         return path
 
 

@@ -93,6 +93,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     env = environment()
     data = BenchData("sparse_mla_paths", env)
+    data.keep_partial(results_dir(env["card"], args.results))  # rows kept if killed
     gen = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(POOL, 1, D_QK, device="cuda", generator=gen).to(torch.bfloat16)
     for mode in args.modes:

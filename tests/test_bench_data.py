@@ -225,6 +225,29 @@ def test_written_data_reads_back(tmp_path):
     assert first["figures"]["us"] == 18.0 and first["figures"]["x_flashmla"] == 1.5
 
 
+def test_a_killed_run_keeps_its_rows_beside_the_previous_file(tmp_path):
+    previous = BenchData("gguf_gemm", FAKE_ENV)
+    previous.row("dense", {"tokens": 1}, gguf_ms=9.0)
+    path = previous.write(tmp_path)
+    before = path.read_bytes()
+    data = BenchData("gguf_gemm", FAKE_ENV)
+    data.row("dense", {"tokens": 1}, gguf_ms=1.0)  # recorded before keep_partial
+    partial = data.keep_partial(tmp_path)
+    assert partial == tmp_path / "gguf_gemm.jsonl.partial"
+    data.row("dense", {"tokens": 8}, gguf_ms=2.0)
+    # killed here: the previous file as it was, every measured row in the partial
+    assert path.read_bytes() == before
+    run, rows = read(partial)
+    assert run["bench"] == "gguf_gemm" and run["env"] == FAKE_ENV
+    assert [r["figures"]["gguf_ms"] for r in rows] == [1.0, 2.0]
+    assert list(tmp_path.glob("*.jsonl")) == [path]  # render reads *.jsonl only
+    data.figures["seconds"] = 3.0
+    assert data.write(tmp_path) == path
+    assert not partial.exists()
+    run, rows = read(path)
+    assert run["figures"] == {"seconds": 3.0} and len(rows) == 2
+
+
 def test_read_names_file_and_line_of_bad_data(tmp_path):
     bad = tmp_path / "x.jsonl"
     bad.write_text('{"record": "run", "bench": "x", "env": {}}\n{not json\n')
