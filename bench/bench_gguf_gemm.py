@@ -26,7 +26,8 @@ prefill):
   one graph, as a step's layers run them: no launch gap of the host in the
   figure, each weight read from memory; a fused layer also shard by shard,
   as vLLM 0.23 runs it, against the one weight of 0035), at a TP-8
-  rank's shapes and at wider ones (TP-4, TP-1, DeepSeek-V3.2's dense MLP);
+  rank's shapes and at wider ones (TP-4, TP-2, TP-1; DeepSeek-V3.2's dense
+  MLP and lm_head);
   for Q4_K, Q4_0 and Q8_0 also vLLM's dense
   Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
   the engine's linear layers do not run it), with its distance from the

@@ -154,8 +154,8 @@ class BenchData:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self._partial = folder / f"{self.bench}.jsonl.partial"
-        self._partial.write_text(self.lines()[0] + "\n", encoding="utf-8")
-        for r in self.rows:
+        self._partial.write_text("", encoding="utf-8")
+        for r in [self._run_record(), *self.rows]:
             self._append(r)
         return self._partial
 
@@ -170,15 +170,17 @@ class BenchData:
         if self._partial is not None:
             self._append(record)
 
-    def lines(self) -> list[str]:
-        run = {
+    def _run_record(self) -> dict[str, Any]:
+        return {
             "record": "run",
             "bench": self.bench,
             "env": self.env,
             "figures": self.figures,
             "notes": self.notes,
         }
-        return [json.dumps(r, ensure_ascii=False) for r in [run, *self.rows]]
+
+    def lines(self) -> list[str]:
+        return [json.dumps(r, ensure_ascii=False) for r in [self._run_record(), *self.rows]]
 
     def write(self, folder: Path) -> Path:
         """<folder>/<bench>.jsonl, replaced atomically."""
