@@ -236,29 +236,32 @@ def _weight(qtype: QType, rows: int, cols: int) -> torch.Tensor:
     return torch.empty(rows, cols // block_size * type_size, dtype=torch.uint8, device="meta")
 
 
-def test_small_linears_take_the_float_path_from_fewer_tokens(monkeypatch):
+def test_linears_of_gguf_dequant_types_take_the_float_path_from_8_or_9_tokens(monkeypatch):
     """Weights of gguf_dequant's types from DENSE_DEQUANT_SMALL_MIN_TOKENS
     where ggml's MMQ runs few blocks (up to DENSE_SMALL_ROWS rows, however
     long the rows) and for types without MMQ at any size; larger weights of
-    MMQ types (an lm_head), ggml_dequantize's types and calls without the
-    weight from DENSE_DEQUANT_MIN_TOKENS; one token never."""
+    MMQ types (an lm_head) from DENSE_DEQUANT_WIDE_MIN_TOKENS, past MMQ's
+    first 8 tokens; ggml_dequantize's types and calls without the weight
+    from DENSE_DEQUANT_MIN_TOKENS; one token never."""
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
-    small, n = mod.DENSE_DEQUANT_SMALL_MIN_TOKENS, mod.DENSE_DEQUANT_MIN_TOKENS
-    assert 1 < small < n
+    small, wide = mod.DENSE_DEQUANT_SMALL_MIN_TOKENS, mod.DENSE_DEQUANT_WIDE_MIN_TOKENS
+    n = mod.DENSE_DEQUANT_MIN_TOKENS
+    assert 1 < small < wide < n
     edge = mod.DENSE_SMALL_ROWS
     for qtype, mmq in ((QType.Q4_K, True), (QType.Q6_K, True), (QType.Q8_0, True),
                        (QType.IQ4_XS, False), (QType.IQ2_XXS, False)):
         for rows, cols, first in ((2048, 6144, small), (edge, 16384, small),
-                                  (edge + 1, 2048, n if mmq else small),
-                                  (19360, 6144, n if mmq else small)):
+                                  (edge + 1, 2048, wide if mmq else small),
+                                  (19360, 6144, wide if mmq else small)):
             w = _weight(qtype, rows, cols)
             assert mod.dense_dequant_min_tokens(int(qtype), w) == first, (qtype, rows)
             assert mod.use_dense_dequant(first, int(qtype), w, torch.float16), (qtype, rows)
             assert not mod.use_dense_dequant(first - 1, int(qtype), w, torch.float16)
         assert mod.dense_dequant_min_tokens(int(qtype)) == n  # no weight to size
-    q5_0 = _weight(QType.Q5_0, 2048, 6144)  # ggml_dequantize's type
-    assert mod.dense_dequant_min_tokens(int(QType.Q5_0), q5_0) == n
+    for qtype in (QType.Q5_0, QType.Q4_0):  # ggml_dequantize's types
+        for rows in (2048, 19360):
+            assert mod.dense_dequant_min_tokens(int(qtype), _weight(qtype, rows, 6144)) == n
     assert not mod.use_dense_dequant(small, int(QType.F16), _weight(QType.F16, 64, 6144))
     monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
     assert not mod.use_dense_dequant(n, int(QType.Q4_K), _weight(QType.Q4_K, 64, 6144))
@@ -428,6 +431,7 @@ GGML_TOL = 3e-2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("threshold", ["DENSE_DEQUANT_SMALL_MIN_TOKENS",
+                                       "DENSE_DEQUANT_WIDE_MIN_TOKENS",
                                        "DENSE_DEQUANT_MIN_TOKENS"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
