@@ -237,14 +237,17 @@ def _weight(qtype: QType, rows: int, cols: int) -> torch.Tensor:
 
 
 def test_linears_of_gguf_dequant_types_take_the_float_path_from_8_or_9_tokens(monkeypatch):
-    """Weights of gguf_dequant's types from DENSE_DEQUANT_SMALL_MIN_TOKENS
-    where ggml's MMQ runs few blocks (up to DENSE_SMALL_ROWS rows, however
-    long the rows) and for types without MMQ at any size; larger weights of
-    MMQ types (an lm_head) from DENSE_DEQUANT_WIDE_MIN_TOKENS, past MMQ's
-    first 8 tokens; ggml_dequantize's types and calls without the weight
-    from DENSE_DEQUANT_MIN_TOKENS; one token never."""
+    """On GPUs where that was measured faster (SM90), weights of
+    gguf_dequant's types from DENSE_DEQUANT_SMALL_MIN_TOKENS where ggml's
+    MMQ runs few blocks (up to DENSE_SMALL_ROWS rows, however long the
+    rows) and for types without MMQ at any size; larger weights of MMQ
+    types (an lm_head) from DENSE_DEQUANT_WIDE_MIN_TOKENS, past MMQ's first
+    8 tokens; ggml_dequantize's types, calls without the weight and every
+    weight on other GPUs (SM120) from DENSE_DEQUANT_MIN_TOKENS; one token
+    never."""
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "float_measured_faster", lambda: True)
     small, wide = mod.DENSE_DEQUANT_SMALL_MIN_TOKENS, mod.DENSE_DEQUANT_WIDE_MIN_TOKENS
     n = mod.DENSE_DEQUANT_MIN_TOKENS
     assert 1 < small < wide < n
@@ -263,8 +266,30 @@ def test_linears_of_gguf_dequant_types_take_the_float_path_from_8_or_9_tokens(mo
         for rows in (2048, 19360):
             assert mod.dense_dequant_min_tokens(int(qtype), _weight(qtype, rows, 6144)) == n
     assert not mod.use_dense_dequant(small, int(QType.F16), _weight(QType.F16, 64, 6144))
+    monkeypatch.setattr(mod, "float_measured_faster", lambda: False)
+    for qtype in (QType.Q4_K, QType.Q8_0, QType.IQ4_XS):
+        for rows in (2048, 19360):
+            w = _weight(qtype, rows, 6144)
+            assert mod.dense_dequant_min_tokens(int(qtype), w) == n, (qtype, rows)
+            assert not mod.use_dense_dequant(n - 1, int(qtype), w, torch.float16)
     monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
     assert not mod.use_dense_dequant(n, int(QType.Q4_K), _weight(QType.Q4_K, 64, 6144))
+
+
+@pytest.mark.parametrize("capability, measured", [((9, 0), True), ((12, 0), False),
+                                                  ((8, 9), False), ((10, 0), False),
+                                                  (None, False)])
+def test_float_paths_lower_thresholds_only_where_measured(capability, measured,
+                                                            monkeypatch):
+    """SM90 (the H200 measured); SM120 and the others keep the kernels the
+    lower thresholds would replace, as does a host without a GPU."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    mod = _module()
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda *a: (
+        None if capability is None else DeviceCapability(*capability)))
+    assert mod.float_measured_faster() is measured
 
 
 def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):

@@ -146,10 +146,12 @@ def test_dequantize_reads_the_marlin_layout(type_name, n, k, monkeypatch):
 
 
 def test_prefill_batches_take_the_float_path_on_sm90_only(monkeypatch):
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
     gm = _module()
     capability = types.SimpleNamespace(major=9, minor=0)
     platform = types.SimpleNamespace(get_device_capability=lambda: capability)
-    monkeypatch.setattr(gm, "current_platform", platform)
+    monkeypatch.setattr(gguf_dispatch, "current_platform", platform)
     assert gm.use_float(gm.FLOAT_MIN_TOKENS) and not gm.use_float(gm.FLOAT_MIN_TOKENS - 1)
     # a layer whose float experts take two groups waits for longer batches
     assert gm.FLOAT_MIN_TOKENS < gm.FLOAT_MIN_TOKENS_GROUPED
@@ -375,7 +377,7 @@ def test_marlin_layer_matches_fp64(monkeypatch, dtype, w13_type, w2_type):
             monkeypatch.setattr(gguf_dispatch, "MOE_DEQUANT_BYTES", 3 * HIDDEN * INTER * 2)
         if i == 6:
             monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS", 512)
-            monkeypatch.setattr(gm, "_float_measured_faster", lambda: True)
+            monkeypatch.setattr(gguf_dispatch, "float_measured_faster", lambda: True)
         if i == 7:
             monkeypatch.setattr(gm, "FLOAT_MIN_TOKENS_GROUPED", 512)
         if i == 8:
