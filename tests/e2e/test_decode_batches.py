@@ -56,8 +56,9 @@ def batch() -> int:
 
 def small_batch() -> int:
     """Sequences a step where only a TP rank's small linears (every linear
-    of the test models) take the float path: gguf_dispatch's threshold for
-    them, below the one for the others."""
+    of the test models) take the float path on SM90: gguf_dispatch's
+    threshold for them, below the one for the others (elsewhere the batch
+    runs ggml's kernels, judged the same)."""
     from vllm.model_executor.layers.quantization import gguf_dispatch
 
     return gguf_dispatch.DENSE_DEQUANT_SMALL_MIN_TOKENS
