@@ -460,15 +460,17 @@ GGML_TOL = 3e-2
                                        "DENSE_DEQUANT_MIN_TOKENS"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
-    """A decode batch of either threshold captured in a CUDA graph:
-    a weight that never ran outside a graph is captured with ggml's MMQ; one
-    that did, with the float path (no MMQ launched while capturing). Both
-    graphs' replays on new inputs match fp64."""
+    """A decode batch of each threshold captured in a CUDA graph (SM90's
+    thresholds on any GPU): a weight that never ran outside a graph is
+    captured with ggml's MMQ; one that did, with the float path (no MMQ
+    launched while capturing). Both graphs' replays on new inputs match
+    fp64."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.gguf import fused_mul_mat_gguf
 
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "float_measured_faster", lambda: True)
     monkeypatch.setattr(mod, "_DENSE_READY", set())
     mmq, real_mmq = [], ops.ggml_mul_mat_a8
     monkeypatch.setattr(ops, "ggml_mul_mat_a8", lambda *a: mmq.append(1) or real_mmq(*a))
