@@ -29,9 +29,9 @@ prefill):
   rank's shapes and at wider ones (TP-4, TP-2, TP-1; DeepSeek-V3.2's dense
   MLP and lm_head);
   for Q4_K, Q4_0 and Q8_0 also vLLM's dense
-  Marlin GEMM on the weight repacked as 0028 repacks experts (a candidate:
-  the engine's linear layers do not run it), with its distance from the
-  fp16 product.
+  Marlin GEMM on the weight repacked as gguf_marlin_linear.py repacks it
+  (the engine runs it with VLLM_GGUF_MARLIN_LINEARS=1), with its distance
+  from the fp16 product, also in a graph and chained.
 
 Both also time the series' Triton dequantizer of the float paths
 (gguf_dequant.py: Q8_0, Q4_K, Q6_K) and record how far its values are from
@@ -135,7 +135,7 @@ FUSED_SHARDS = {
     "DeepSeek-V3.2 TP-4 dense gate_up (7168 -> 2 x 4608)": (4608, 4608),
     "TP-2 dense gate_up (6144 -> 2 x 6144)": (6144, 6144),
 }
-TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_TOKENS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 
 
@@ -475,35 +475,23 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
             torch.cuda.empty_cache()
 
 
-def marlin_dense(gm, q: torch.Tensor, qtype: T, out: int, inp: int):
-    """vLLM's dense Marlin GEMM on one GGUF linear weight repacked with the
-    series' MoE repack (gguf_marlin_moe, 0028; one expert): x -> x @ W.T.
-    None where the wheel lacks either or the type or shapes have no layout."""
-    if gm is None or not hasattr(torch.ops._C, "marlin_gemm"):
+def marlin_dense(q: torch.Tensor, qtype: T, out: int, inp: int):
+    """vLLM's dense Marlin GEMM on one GGUF linear weight repacked as the
+    series repacks it (gguf_marlin_linear, VLLM_GGUF_MARLIN_LINEARS):
+    (gemm, args) with gemm(x, *args) = x @ W.T, args[0] the Marlin weight.
+    None where the wheel lacks either or the type has no Marlin format."""
+    ml = series_module("gguf_marlin_linear")
+    if ml is None or not hasattr(torch.ops._C, "marlin_gemm"):
         return None
     t = int(qtype)
-    if t not in gm.MARLIN_TYPES or not gm.shapes_fit(t, out, inp):
+    if t not in ml.gm.MARLIN_TYPES or not ml.gm.shapes_fit(t, ml.padded_rows(out), inp):
         return None
-    from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         marlin_make_workspace_new,
     )
-    from vllm.scalar_type import scalar_types
 
-    w, scales = gm.repack_experts(q.unsqueeze(0), t, inp, torch.float16)
-    kp = gm.marlin_k(t, inp)
-    workspace = marlin_make_workspace_new(q.device, 4)
-    wtype = gm.MARLIN_TYPES[t][0]
-    # Q4_K's uint4 is q - zero: zero points 0 (packed, 8 a word), as 0028 sets them
-    zeros = (torch.zeros(kp // gm.GROUP, out // 8, dtype=torch.int32, device=q.device)
-             if wtype == scalar_types.uint4 else None)
-
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        return ops.marlin_gemm(gm.marlin_input(x, t, kp), None, w[0], None, scales[0], None,
-                               None, zeros, None, None, workspace, wtype,
-                               size_m=x.shape[0], size_n=out, size_k=kp, is_k_full=True,
-                               use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False)
-    return gemm
+    w, s, zeros = ml.operands(q, t, inp, torch.float16)
+    return ml.gemm, (w, s, zeros, marlin_make_workspace_new(q.device, 4), t, out)
 
 
 def _float_product(x: torch.Tensor, q: torch.Tensor, qtype, tdq) -> torch.Tensor:
@@ -529,7 +517,6 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
 
     switch = has_dequant_switch()
     tdq = series_module("gguf_dequant")
-    gm = series_module("gguf_marlin_moe")
 
     for shape, out, inp in DENSE_SHAPES:
         for qtype in DENSE_TYPES:
@@ -542,7 +529,7 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                 tdq_ms = ms(tdq.dequantize, q, qtype, torch.float16)
             marlin_error = None
             try:
-                marlin = marlin_dense(gm, q, qtype, out, inp)
+                marlin = marlin_dense(q, qtype, out, inp)
             except Exception as e:  # a candidate's failure is a finding, not the run's end
                 marlin, marlin_error = None, f"{type(e).__name__}: {str(e)[:200]}"
             for n in tokens:
@@ -571,11 +558,16 @@ def bench_dense(data: BenchData, tokens: list[int], gen: torch.Generator) -> Non
                         graphed["float_chain_ms"] = chain_graph_ms(
                             _float_product, x, q, qtype, tdq)
                 if marlin is not None:
+                    gemm, margs = marlin
                     try:
-                        graphed["marlin_ms"] = ms(marlin, x)
-                        graphed["marlin_max_diff"] = _max_diff(marlin(x), torch.matmul(x, w.T))
+                        graphed["marlin_ms"] = ms(gemm, x, *margs)
+                        graphed["marlin_max_diff"] = _max_diff(gemm(x, *margs),
+                                                               torch.matmul(x, w.T))
                         if n <= GRAPH_MAX_TOKENS:
-                            graphed["marlin_graph_ms"] = graph_ms(functools.partial(marlin, x))
+                            graphed["marlin_graph_ms"] = graph_ms(
+                                functools.partial(gemm, x, *margs))
+                        if n <= CHAIN_MAX_TOKENS:
+                            graphed["marlin_chain_ms"] = chain_graph_ms(gemm, x, *margs)
                     except Exception as e:
                         marlin_error = f"{type(e).__name__}: {str(e)[:200]}"
                 if marlin_error:

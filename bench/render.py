@@ -505,9 +505,13 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
             "it, the engine's choice a shard and their concatenation; the series runs "
             "shards of one type as one weight (0035), the engine (chained) column."))
         marlin = taken("marlin_ms", "marlin_error", note=(
-            "Marlin: vLLM's dense Marlin GEMM on the weight repacked as 0028 repacks "
-            "experts (a candidate, not the engine's path), with its distance from the fp16 "
-            "product; Marlin (graph) replayed in a CUDA graph."))
+            "Marlin: vLLM's dense Marlin GEMM on the weight repacked as "
+            "gguf_marlin_linear repacks it (the engine's path with "
+            "VLLM_GGUF_MARLIN_LINEARS=1; runs before it: 0028's expert repack, a "
+            "candidate), with its distance from the fp16 product; Marlin (graph) "
+            "replayed in a CUDA graph."))
+        marlin_chained = taken("marlin_chain_ms", note=(
+            "Marlin (chained): Marlin's GEMM as the chained columns above."))
         out += table(
             ["layer", "type", "tokens", "GGUF", "fp16 matmul", "GGUF / fp16", "dequantize",
              "(dequantize + fp16) / GGUF", "engine", "GGUF / engine", "dequantize (Triton)",
@@ -515,9 +519,11 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
              *(["float (graph)"] if floated else []),
              *(["engine (chained)", "float (chained)", "fp16 (chained)"] if chained else []),
              *(["shard by shard (chained)"] if sharded else []),
-             *(["Marlin", "Marlin (graph)"] if marlin else [])],
+             *(["Marlin", "Marlin (graph)"] if marlin else []),
+             *(["Marlin (chained)"] if marlin_chained else [])],
             "llrrrrrrrrr" + ("r" if graphed else "") + ("r" if floated else "")
-            + ("rrr" if chained else "") + ("r" if sharded else "") + ("rr" if marlin else ""),
+            + ("rrr" if chained else "") + ("r" if sharded else "") + ("rr" if marlin else "")
+            + ("r" if marlin_chained else ""),
             [[i["shape"], i["type"], f"{i['tokens']:,}", fmt(m.get("gguf_ms"), ".4g"),
               fmt(m.get("f16_matmul_ms"), ".4g"), fmt(m["gguf_ms"] / m["f16_matmul_ms"], ".2f"),
               fmt(m.get("dequant_ms"), ".4g"),
@@ -530,7 +536,8 @@ def gguf_gemm_md(run: dict, rows: list[dict]) -> str:
               *([fmt(m.get(f"{k}_chain_ms"), ".4g") for k in ("engine", "float", "f16")]
                 if chained else []),
               *([fmt(m.get("shards_chain_ms"), ".4g")] if sharded else []),
-              *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else [])]
+              *([_marlin(m), fmt(m.get("marlin_graph_ms"), ".4g")] if marlin else []),
+              *([fmt(m.get("marlin_chain_ms"), ".4g")] if marlin_chained else [])]
              for i, m in dense],
         )  # fmt: skip
     return "\n".join(out + footer("gguf_gemm")) + "\n"

@@ -327,6 +327,9 @@ def test_workload_matrix():
                          ("triton-fp16-fused", "fused")):
         assert wl.PATHS[name].args == ours.args
         assert dict(ours.env, VLLM_GGUF_KERNELS=choice) == wl.PATHS[name].env
+    marlin = wl.PATHS["triton-fp16-marlin-linears"]
+    assert marlin.args == ours.args and "triton-fp16-marlin-linears" not in full["paths"]
+    assert dict(ours.env, VLLM_GGUF_MARLIN_LINEARS="1") == marlin.env
     assert wl.max_model_len(full["workloads"]) == 132096
 
 

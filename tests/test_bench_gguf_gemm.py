@@ -174,6 +174,21 @@ def test_the_linear_table_shows_the_marlin_candidate_only_in_runs_that_timed_it(
     assert rows[1].endswith("| 0.03 | failed: RuntimeError: no kernel |  |")
 
 
+def test_marlin_chained_has_its_column_in_runs_that_timed_it():
+    import render
+
+    timed = [_dense_row("Q8_0", engine_graph_ms=0.03, marlin_ms=0.0121,
+                        marlin_max_diff=6e-4, marlin_graph_ms=0.0093),
+             _dense_row("Q8_0", engine_graph_ms=0.03, marlin_ms=0.0121,
+                        marlin_max_diff=6e-4, marlin_graph_ms=0.0093,
+                        marlin_chain_ms=0.0071)]
+    text = render.gguf_gemm_md({"env": {}}, timed)
+    assert "Marlin (chained)" in text
+    rows = _o_proj_lines(text)
+    assert rows[0].endswith("| 0.0093 |  |") and rows[1].endswith("| 0.0093 | 0.0071 |")
+    assert "Marlin (chained)" not in render.gguf_gemm_md({"env": {}}, timed[:1])
+
+
 def test_the_marlin_columns_appear_only_in_runs_that_measured_it():
     """Runs before 0028 render as they did; a run with the Marlin repack
     gets its column in both MoE tables, empty for types it does not take."""

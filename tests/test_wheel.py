@@ -85,6 +85,7 @@ SM120_PATH_KERNELS = {
     "ggml q8_1 activations": r"quantize_q8_1",
     "moe_wna16_marlin_gemm (0028)": r"Marlin",
     "gptq_marlin_repack (0028)": r"gptq_marlin_repack_kernel",
+    "marlin_gemm (VLLM_GGUF_MARLIN_LINEARS)": r"Marlin",
     "top_k_per_row_decode": r"topKPerRowDecode",
     "top_k_per_row_prefill": r"topKPerRowPrefill",
     "cp_gather_indexer_k_quant_cache": r"cp_gather_indexer_k_quant_cache_kernel",
@@ -99,9 +100,10 @@ SM120_PATH_KERNELS = {
     "silu_and_mul": r"act_and_mul_kernel",
     "rotary_embedding": r"rotary_embedding_kernel",
 }
-# Marlin's MoE kernels are marlin_moe_wna16::Marlin; the dense ones
-# marlin::Marlin are not on the path.
-_NAMESPACE = {"moe_wna16_marlin_gemm (0028)": "marlin_moe_wna16"}
+# Marlin's MoE kernels are marlin_moe_wna16::Marlin, the dense ones
+# marlin::Marlin.
+_NAMESPACE = {"moe_wna16_marlin_gemm (0028)": "marlin_moe_wna16",
+              "marlin_gemm (VLLM_GGUF_MARLIN_LINEARS)": "marlin"}
 
 
 def _kernel_names(mangled: str) -> list[str]:

@@ -93,6 +93,11 @@ PATHS = {
                  "prefill-size batches (VLLM_GGUF_KERNELS=fused, experimental)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "fused"}),
+        VllmPath("triton-fp16-marlin-linears", "the series' path with Q4_K/Q4_0/Q8_0 "
+                 "linear layers on vLLM's dense Marlin GEMM at decode batch sizes "
+                 "(VLLM_GGUF_MARLIN_LINEARS=1, experimental)",
+                 ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
+                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_MARLIN_LINEARS": "1"}),
         # upstream as vLLM 0.23 runs it: its attention, indexer and GGUF kernels
         VllmPath("flashmla-bf16", "upstream: FLASHMLA_SPARSE + DeepGEMM indexer, bf16, "
                  "vLLM 0.23's GGUF kernels",

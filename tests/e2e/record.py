@@ -75,7 +75,8 @@ def _serve(rows: list[dict]) -> list[str]:
 
 def _decode_batches(rows: list[dict]) -> list[str]:
     """test_decode_batches.py's rows: many sequences a decode step."""
-    body = [f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | {r['ours']['steps']} | "
+    body = [f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | "
+            f"{r.get('setup', 'triton-fp16')} | {r['ours']['steps']} | "
             + " | ".join(f"{f['mean']} / {f['p90']} / {f['max']}"
                          for f in (r["ours"], r["peer"]))
             + f" | {'yes' if r['passed'] else 'NO'}"
@@ -87,8 +88,8 @@ def _decode_batches(rows: list[dict]) -> list[str]:
          "all of them together each step: mean / p90 / max |d logprob| of those steps "
          "against transformers fp32; bars: 1.5x the peer's mean + 0.01, 1.5x its p90 "
          "+ 0.02."),
-        "| model | GGUF | sequences a step | steps | ours (triton-fp16) | peer | pass |",
-        "|---|---|---:|---:|---|---|---|", body)
+        "| model | GGUF | sequences a step | ours | steps | ours' figures | peer | pass |",
+        "|---|---|---:|---|---:|---|---|---|", body)
 
 
 def render(rows: list[dict]) -> str:

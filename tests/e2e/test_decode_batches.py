@@ -9,7 +9,9 @@ float path captured only after it ran outside a graph).
 
 On GLM-5, GLM-5.2 and DeepSeek-V3.2 Q4_K_M, batch() prompts of one length
 decode together (on GLM-5 and GLM-5.2 also small_batch(): 8, where only a
-TP rank's small linears take the float path, 0032): the greedy run, then
+TP rank's small linears take the float path, 0032, and where
+VLLM_GGUF_MARLIN_LINEARS runs the linears of Q4_K and Q8_0 on Marlin,
+0036, judged too): the greedy run, then
 the greedy text of transformers fp32 on the file's weights forced
 (forced_tokens.py), so every path's decode steps are on one text, batch()
 sequences a step, a size vLLM captured.
@@ -35,7 +37,7 @@ from judging import _decode, decode_bar, file_digest, routed_alternatives
 from models import FIRST_TEXT_TOKEN, VOCAB
 from oracles import greedy, transformers_model
 from run_engine import launch
-from setups import PEER, TRITON_FP16
+from setups import PEER, TRITON_FP16, TRITON_FP16_MARLIN_LINEARS
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +46,7 @@ SMALL_FILES = FILES[:2]  # GLM-5.2's shared layers too (0034)
 PROMPT = 160  # past the test models' index_topk (128): the selection is active
 GENERATED = 12
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
+SMALL_PATHS = {**PATHS, "fp16-marlin-linears": TRITON_FP16_MARLIN_LINEARS}
 
 
 def batch() -> int:
@@ -84,16 +87,16 @@ def runs(manifest, tmp_path_factory) -> dict:
     """Every file's engines at once (E2E_PARALLEL at a time): (model, gguf
     type, path) -> engine result; "prompts"; "texts": each file's forced
     text."""
-    return _run_batches(manifest, tmp_path_factory, FILES, batch())
+    return _run_batches(manifest, tmp_path_factory, FILES, batch(), PATHS)
 
 
 @pytest.fixture(scope="module")
 def small_runs(manifest, tmp_path_factory) -> dict:
     """runs() for GLM-5 and GLM-5.2 at small_batch() sequences a step."""
-    return _run_batches(manifest, tmp_path_factory, SMALL_FILES, small_batch())
+    return _run_batches(manifest, tmp_path_factory, SMALL_FILES, small_batch(), SMALL_PATHS)
 
 
-def _run_batches(manifest, tmp_path_factory, files, n: int) -> dict:
+def _run_batches(manifest, tmp_path_factory, files, n: int, paths: dict) -> dict:
     missing = sorted({m for m, _ in files} - set(manifest["models"]))
     if missing:
         pytest.fail(f"{missing} not among the built models: run `make e2e-models`")
@@ -105,7 +108,7 @@ def _run_batches(manifest, tmp_path_factory, files, n: int) -> dict:
         tf = transformers_model(hf, gguf, "cuda")
         texts[(model, gguf_type)] = greedy(tf, prompts, GENERATED)
         del tf
-        for name, setup in PATHS.items():
+        for name, setup in paths.items():
             jobs[(model, gguf_type, name)] = (
                 _case(hf, gguf, setup, prompts, texts[(model, gguf_type)]),
                 f"{gguf.stem}-{setup.name}", dict(os.environ, **setup.env))
@@ -117,11 +120,11 @@ def _run_batches(manifest, tmp_path_factory, files, n: int) -> dict:
 
     with ThreadPoolExecutor(int(os.environ.get("E2E_PARALLEL", "6"))) as pool:
         out = dict(pool.map(one, jobs.items()))
-    return {**out, "prompts": prompts, "texts": texts}
+    return {**out, "prompts": prompts, "texts": texts, "paths": paths}
 
 
 def _file_runs(runs: dict, model: str, gguf_type: str) -> dict:
-    res = {name: runs[(model, gguf_type, name)] for name in PATHS}
+    res = {name: runs[(model, gguf_type, name)] for name in runs["paths"]}
     errors = [r["error"] for r in res.values() if "error" in r]
     if errors:
         pytest.fail("\n\n".join(errors))
@@ -187,17 +190,21 @@ def _judge(runs, manifest, record, model, gguf_type) -> None:
     hf, gguf = model_paths(manifest, model, gguf_type)
     topk = json.loads((hf / "config.json").read_text())["index_topk"]
     tf = transformers_model(hf, gguf, "cuda")
-    ours, peer = (_forced_figures(tf, runs["prompts"], res[name], topk)
-                  for name in ("fp16", "peer"))
+    figures = {name: _forced_figures(tf, runs["prompts"], res[name], topk) for name in res}
     del tf
     torch.cuda.empty_cache()
-    n = len(runs["prompts"])
-    failures = decode_bar(ours, peer)
-    # the file's digest: a rejudging on another machine must read the same bytes
-    # (K-quant files built on another CPU differ)
-    record({"model": model, "gguf_type": gguf_type, "decode_batch": n, "ours": ours,
-            "peer": peer, "passed": not failures, "gguf_sha256": file_digest(gguf)})
-    # the figures of a passing run too (pytest -rA shows them)
-    print(f"{model} {gguf_type} decode batch of {n}: "
-          f"{json.dumps({'ours': ours, 'peer': peer})}")
-    assert not failures, f"decode steps of {n} sequences: " + "; ".join(failures)
+    n, peer = len(runs["prompts"]), figures.pop("peer")
+    failed = []
+    for name, ours in figures.items():
+        failures = decode_bar(ours, peer)
+        setup = runs["paths"][name].name
+        # the file's digest: a rejudging on another machine must read the same
+        # bytes (K-quant files built on another CPU differ)
+        record({"model": model, "gguf_type": gguf_type, "decode_batch": n, "setup": setup,
+                "ours": ours, "peer": peer, "passed": not failures,
+                "gguf_sha256": file_digest(gguf)})
+        # the figures of a passing run too (pytest -rA shows them)
+        print(f"{model} {gguf_type} decode batch of {n}, {setup}: "
+              f"{json.dumps({'ours': ours, 'peer': peer})}")
+        failed += [f"{setup}: {f}" for f in failures]
+    assert not failed, f"decode steps of {n} sequences: " + "; ".join(failed)

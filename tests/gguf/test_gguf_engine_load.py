@@ -97,6 +97,42 @@ class CpuMulMat:
         return _cpu_mul_mat(x, qweight, qweight_type)
 
 
+def test_marlin_linears_are_added_at_load_where_asked(
+    checkpoints, gguf_files, load_model, monkeypatch
+):
+    """VLLM_GGUF_MARLIN_LINEARS=1 (0036): the real loader gives every Q8_0
+    linear of the file a Marlin copy beside its GGUF blocks (the fused
+    q_a + kv_a as one weight, the lm_head too, rows padded to 64 where
+    short), the token embedding none; the lm_head's product at a decode
+    batch is that of the file's values. Marlin's ops on the CPU
+    (support/marlin_ref.py)."""
+    from vllm.model_executor.layers.quantization import gguf_marlin_linear
+
+    from support.marlin_ref import install_for_linears
+
+    marlin = install_for_linears(monkeypatch, gguf_marlin_linear)
+    model = load_model(gguf_files[("glm", "q8_0")], checkpoints["glm"].path)
+    attn = _layers(model)[0].self_attn
+    for layer in (attn.fused_qkv_a_proj, attn.q_b_proj, attn.o_proj, model.lm_head):
+        assert layer.qweight.dtype == torch.uint8, layer
+        assert layer.gguf_marlin_qweight.dtype == torch.int32, layer
+        padded = gguf_marlin_linear.padded_rows(layer.qweight.shape[0])
+        assert layer.gguf_marlin_scales.shape[1] == padded, layer
+    assert not hasattr(model.model.embed_tokens, "gguf_marlin_qweight")
+    head = model.lm_head
+    hidden = head.qweight.shape[1] // 34 * 32  # Q8_0: 34 bytes a block of 32
+    dtype = head.gguf_marlin_scales.dtype  # the model's
+    x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(8)).to(dtype)
+    out = head.quant_method.apply(head, x)
+    assert marlin.calls == [8] and out.dtype == dtype
+    values = _q8_0_dequant(head.qweight.data, head.qweight_type.weight_type).double()
+    want = x.double() @ values.T
+    assert torch.isfinite(out).all()
+    # the output's rounding to the model's dtype
+    bar = 2e-3 if dtype == torch.float16 else 1e-2
+    assert (out.double() - want).abs().max() / want.abs().max() < bar
+
+
 @pytest.mark.parametrize("name", ["glm", "dsv3", "glm52"])
 def test_fused_qkv_a_follows_declared_shard_order(
     checkpoints, gguf_files, load_model, monkeypatch, name

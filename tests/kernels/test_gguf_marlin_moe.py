@@ -27,6 +27,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from support.gguf_moe_ref import CpuGgufMoeOps, gguf_moe_layer, moe_reference, random_blocks
+from support.marlin_ref import marlin_repack
 
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
 # Marlin's integer offset of each type: uint4 (zero point 0), uint4b8, uint8b128
@@ -91,22 +92,8 @@ def test_q4_k_input_kernel_writes_every_column(k):
 
 
 def _cpu_repack(monkeypatch, gm):
-    """ops.gptq_marlin_repack on the CPU: vLLM's reference of its layout
-    (marlin_utils_test.marlin_weights, which vLLM's kernel tests hold the
-    op to), from the GPTQ-packed operand."""
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import (
-        get_weight_perm,
-        marlin_weights,
-    )
-
-    def repack(packed, perm, size_k, size_n, bits):
-        assert perm.numel() == 0
-        mask = (1 << bits) - 1
-        q = torch.stack([(packed >> (bits * j)) & mask for j in range(32 // bits)], 1)
-        return marlin_weights(q.reshape(size_k, size_n), size_k, size_n, bits,
-                              get_weight_perm(bits))
-
-    monkeypatch.setattr(gm.ops, "gptq_marlin_repack", repack)
+    """ops.gptq_marlin_repack on the CPU: vLLM's reference of its layout."""
+    monkeypatch.setattr(gm.ops, "gptq_marlin_repack", marlin_repack)
 
 
 def _operand_values(gm, raw, qtype, k):

@@ -1,0 +1,267 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""GGUF linear layers on vLLM's dense Marlin GEMM (gguf_marlin_linear.py,
+VLLM_GGUF_MARLIN_LINEARS=1).
+
+CPU: a GGUFLinearMethod layer (one weight, a fused q_a + kv_a, rows not a
+multiple of 64, an lm_head) processed after loading as the loader does,
+then applied through the method: batches between ggml's vector kernel and
+MAX_TOKENS + 1 take Marlin and give x @ W.T of gguf-py's values, the
+others keep gguf.py's kernels; the Marlin operands are what marlin_gemm
+reads: ops.gptq_marlin_repack and ops.marlin_gemm stand in on the CPU
+through vLLM's Python reference of the layout (support/marlin_ref.py).
+Which layers repack (types, dtype, the switches, token embeddings, fused
+shards of two types), and a repack in row chunks equal to one in a piece.
+GPU (`-m gpu`): the real kernels through the layer's apply, fp16 and bf16,
+1-40 tokens, against fp64 of the same blocks; a batch captured in a CUDA
+graph right after loading, replayed on new inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from support.gguf_moe_ref import random_blocks
+from support.marlin_ref import install_for_linears
+
+HIDDEN = 512
+# Marlin's integer offset of each type: uint4 (zero point 0), uint4b8, uint8b128
+OFFSET = {QType.Q4_K: 0, QType.Q4_0: 8, QType.Q8_0: 128}
+
+
+def _module():
+    from vllm.model_executor.layers.quantization import gguf_marlin_linear
+
+    return gguf_marlin_linear
+
+
+def gguf_linear(shards, device="cpu", dtype=torch.float16, cls=torch.nn.Module):
+    """A GGUFLinearMethod layer of shards [(type name, raw blocks)] filled as
+    the GGUF loader fills it (llama.cpp's order: the last shard first),
+    then processed after loading."""
+    from vllm.model_executor.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
+
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    method = GGUFLinearMethod(GGUFConfig())
+    rows = [raw.shape[0] for _, raw in shards]
+    with torch.device(device):
+        method.create_weights(layer, HIDDEN, rows, HIDDEN, sum(rows), dtype)
+        if len(shards) == 1:
+            qtype, raw = shards[0]
+            layer.qweight.materialize(raw.shape, dtype=raw.dtype)
+            layer.qweight.data.copy_(raw)
+            layer.qweight_type.weight_type = int(QType[qtype])
+        else:
+            for shard in reversed(range(len(shards))):
+                qtype, raw = shards[shard]
+                layer.qweight.shard_id.append(shard)
+                layer.qweight.shard_id_map[shard] = len(layer.qweight.data_container)
+                layer.qweight.data_container.append(raw.to(device))
+                layer.qweight_type.shard_weight_type[shard] = int(QType[qtype])
+        method.process_weights_after_loading(layer)
+    layer.quant_method = method
+    return layer
+
+
+# ---------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------
+
+
+class GgufKernels:
+    """gguf.py's kernels on the CPU, each the fp64 product of gguf-py's
+    values, recording which ran."""
+
+    def __init__(self, values):
+        self.values, self.ran = values, []
+
+    def install(self, monkeypatch):
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.quantization import gguf_dispatch
+
+        def kernel(name):
+            def run(*args):
+                x = args[1] if name in ("vector", "mmq") else args[0]
+                self.ran.append((name, x.shape[0]))
+                return (x.double() @ self.values.T).to(x.dtype)
+            return run
+
+        monkeypatch.setattr(ops, "ggml_mul_mat_vec_a8", kernel("vector"))
+        monkeypatch.setattr(ops, "ggml_mul_mat_a8", kernel("mmq"))
+        monkeypatch.setattr(gguf_dispatch, "dense_dequant", kernel("float"))
+        return self
+
+
+def _relative_error(out, ref):
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("qtype,rows", [
+    ("Q4_K", [200]),        # rows padded to 256 for Marlin
+    ("Q8_0", [6000]),       # > 5,120 rows: the vector kernel up to 2 tokens
+    ("Q4_0", [640, 192]),   # a fused q_a + kv_a of one type
+    ("Q4_K", [640, 192]),
+])
+def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
+        qtype, rows, monkeypatch):
+    from vllm.model_executor.layers.quantization.gguf import mmvq_max_tokens
+
+    mod = _module()
+    marlin = install_for_linears(monkeypatch, mod)
+    g = torch.Generator().manual_seed(sum(rows))
+    blocks = [random_blocks(qtype, (r, HIDDEN), g) for r in rows]
+    layer = gguf_linear([(qtype, raw) for raw, _ in blocks])
+    assert layer.gguf_marlin_qweight.dtype == torch.int32
+    # the GGUF blocks stay, for the vector kernel and the float path
+    assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape[0] == sum(rows)
+    values = torch.cat([v for _, v in blocks])
+    kernels = GgufKernels(values).install(monkeypatch)
+    vector = mmvq_max_tokens(int(QType[qtype]), sum(rows))
+    for tokens in (1, 2, 3, 7, 8, 16, 31, 32, 40):
+        marlin.calls.clear()
+        kernels.ran.clear()
+        x = torch.randn(tokens, HIDDEN, generator=g).half()
+        out = layer.quant_method.apply(layer, x)
+        assert out.shape == (tokens, sum(rows)) and out.dtype == torch.float16
+        if vector < tokens <= mod.MAX_TOKENS:
+            assert marlin.calls == [tokens] and not kernels.ran, tokens
+            err = _relative_error(out, x.double() @ values.T)
+            # fp16 group scales (Q4_K's d * sc) and Q4_K's fp16 group sums
+            assert err < (2e-3 if qtype == "Q4_K" else 1e-3), (tokens, err)
+        else:
+            assert not marlin.calls, tokens
+            want = "vector" if tokens <= vector else "float"
+            assert kernels.ran == [(want, tokens)], tokens
+
+
+def test_an_lm_head_repacks_its_token_embedding_does_not(monkeypatch):
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    mod = _module()
+    install_for_linears(monkeypatch, mod)
+    raw, _ = random_blocks("Q8_0", (64, HIDDEN), torch.Generator().manual_seed(1))
+    assert hasattr(gguf_linear([("Q8_0", raw)], cls=ParallelLMHead), "gguf_marlin_qweight")
+    assert not hasattr(gguf_linear([("Q8_0", raw)], cls=VocabParallelEmbedding),
+                       "gguf_marlin_qweight")
+
+
+@pytest.mark.parametrize("shards,dtype,env,want", [
+    ([("Q4_K", 64)], torch.float16, {}, True),
+    ([("Q4_0", 64)], torch.bfloat16, {}, True),
+    ([("Q8_0", 64)], torch.float16, {}, True),
+    ([("Q6_K", 64)], torch.float16, {}, False),    # no Marlin format (16-value scales)
+    ([("Q5_K", 64)], torch.float16, {}, False),
+    ([("IQ4_XS", 64)], torch.float16, {}, False),
+    ([("F16", 64)], torch.float16, {}, False),
+    ([("Q4_K", 64)], torch.float32, {}, False),
+    ([("Q4_K", 64), ("Q6_K", 64)], torch.float16, {}, False),  # shards one by one
+    ([("Q4_K", 64)], torch.float16, {"VLLM_GGUF_MARLIN_LINEARS": "0"}, False),
+    ([("Q4_K", 64)], torch.float16, {"VLLM_GGUF_KERNELS": "ggml"}, False),
+    ([("Q4_K", 64)], torch.float16, {"VLLM_GGUF_KERNELS": "upstream"}, False),
+])
+def test_which_layers_repack(shards, dtype, env, want, monkeypatch):
+    mod = _module()
+    install_for_linears(monkeypatch, mod)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    g = torch.Generator().manual_seed(5)
+
+    def raw(t, r):
+        if t == "F16":
+            return torch.randn(r, HIDDEN, generator=g).half()
+        return random_blocks(t, (r, HIDDEN), g)[0]
+
+    layer = gguf_linear([(t, raw(t, r)) for t, r in shards], dtype=dtype)
+    assert hasattr(layer, "gguf_marlin_qweight") is want
+
+
+def test_off_by_default_and_off_the_gpu(monkeypatch):
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_MARLIN_LINEARS", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    assert not mod.enabled()
+    monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
+    assert mod.enabled()
+    if not torch.cuda.is_available():
+        assert not mod.usable(int(QType.Q4_K), 64, HIDDEN, torch.float16)
+    raw, _ = random_blocks("Q4_K", (64, HIDDEN), torch.Generator().manual_seed(2))
+    install_for_linears(monkeypatch, mod)
+    monkeypatch.setattr(mod, "_on_gpu", lambda qweight: qweight.is_cuda)
+    assert not hasattr(gguf_linear([("Q4_K", raw)]), "gguf_marlin_qweight")
+
+
+@pytest.mark.parametrize("qtype,rows", [("Q4_K", 200), ("Q8_0", 130), ("Q4_0", 64)])
+def test_a_repack_in_row_chunks_is_the_repack_in_one(qtype, rows, monkeypatch):
+    mod = _module()
+    install_for_linears(monkeypatch, mod)
+    raw, _ = random_blocks(qtype, (rows, HIDDEN), torch.Generator().manual_seed(rows))
+    t = int(QType[qtype])
+    monkeypatch.setattr(mod, "REPACK_ROWS", 64)
+    w, s = mod.repack(raw, t, HIDDEN, torch.float16)
+    padded = torch.nn.functional.pad(raw, (0, 0, 0, mod.padded_rows(rows) - rows))
+    w1, s1 = mod.gm.repack_experts(padded.unsqueeze(0), t, HIDDEN, torch.float16)
+    assert torch.equal(w, w1[0]) and torch.equal(s, s1[0])
+
+
+def test_marlin_takes_the_tokens_up_to_the_float_path():
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    mod = _module()
+    assert mod.MAX_TOKENS + 1 == gguf_dispatch.DENSE_DEQUANT_MIN_TOKENS
+    q4k = int(QType.Q4_K)
+    assert [t for t in range(1, 40) if mod.use_marlin(t, q4k, 5121)] == list(range(3, 32))
+    assert [t for t in range(1, 40) if mod.use_marlin(t, q4k, 5120)] == list(range(7, 32))
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype,rows", [("Q4_K", [200]), ("Q8_0", [6000]),
+                                        ("Q4_0", [640, 192]), ("Q4_K", [2048, 576])])
+def test_marlin_linear_matches_fp64(qtype, rows, dtype, monkeypatch):
+    mod = _module()
+    monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(sum(rows))
+    blocks = [random_blocks(qtype, (r, HIDDEN), g) for r in rows]
+    layer = gguf_linear([(qtype, raw) for raw, _ in blocks], device="cuda", dtype=dtype)
+    assert hasattr(layer, "gguf_marlin_qweight")
+    values = torch.cat([v for _, v in blocks])
+    for tokens in (1, 2, 3, 8, 16, 24, 31, 32, 40):
+        x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+        out = layer.quant_method.apply(layer, x.cuda())
+        err = _relative_error(out.cpu(), x.double() @ values.T)
+        on_marlin = mod.use_marlin(tokens, int(QType[qtype]), sum(rows))
+        # Marlin: fp16 scales and sums; ggml's kernels round x to 8 bits
+        bar = (4e-3 if dtype == torch.float16 else 3e-2) if on_marlin else 3e-2
+        assert err < bar, (tokens, err)
+
+
+@pytest.mark.gpu
+def test_marlin_linear_in_a_cuda_graph(monkeypatch):
+    """Captured right after loading (the repack compiled Q4_K's input kernel)."""
+    monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(3)
+    raw, values = random_blocks("Q4_K", (200, HIDDEN), g)
+    layer = gguf_linear([("Q4_K", raw)], device="cuda")
+    x = torch.randn(8, HIDDEN, generator=g).half().cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.quant_method.apply(layer, x)
+    for seed in (4, 5):
+        x.copy_(torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(seed)).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _relative_error(out.cpu(), x.cpu().double() @ values.T) < 4e-3
