@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from support.gguf_moe_ref import random_blocks
@@ -47,8 +48,13 @@ def gguf_linear(shards, device="cpu", dtype=torch.float16, cls=torch.nn.Module):
     torch.nn.Module.__init__(layer)
     method = GGUFLinearMethod(GGUFConfig())
     rows = [raw.shape[0] for _, raw in shards]
+    qtype, raw = shards[0]
+    cols = raw.shape[1]  # F16: the values
+    if raw.dtype == torch.uint8:  # GGUF blocks
+        block, size = GGML_QUANT_SIZES[QType[qtype]]
+        cols = cols // size * block
     with torch.device(device):
-        method.create_weights(layer, HIDDEN, rows, HIDDEN, sum(rows), dtype)
+        method.create_weights(layer, cols, rows, cols, sum(rows), dtype)
         if len(shards) == 1:
             qtype, raw = shards[0]
             layer.qweight.materialize(raw.shape, dtype=raw.dtype)
@@ -100,20 +106,23 @@ def _relative_error(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("qtype,rows", [
-    ("Q4_K", [200]),        # rows padded to 256 for Marlin
-    ("Q8_0", [6000]),       # > 5,120 rows: the vector kernel up to 2 tokens
-    ("Q4_0", [640, 192]),   # a fused q_a + kv_a of one type
-    ("Q4_K", [640, 192]),
+@pytest.mark.parametrize("qtype,rows,cols", [
+    ("Q4_K", [200], HIDDEN),       # rows padded to 256 for Marlin
+    ("Q8_0", [6000], HIDDEN),      # > 5,120 rows: the vector kernel up to 2 tokens
+    ("Q4_0", [640, 192], HIDDEN),  # a fused q_a + kv_a of one type
+    ("Q4_K", [640, 192], HIDDEN),
+    ("Q8_0", [128], 160),          # K padded to Marlin's 64
+    ("Q4_0", [64], 96),
+    ("Q4_K", [64], 768),           # min-term columns: K' 864, padded to 896
 ])
 def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
-        qtype, rows, monkeypatch):
+        qtype, rows, cols, monkeypatch):
     from vllm.model_executor.layers.quantization.gguf import mmvq_max_tokens
 
     mod = _module()
     marlin = install_for_linears(monkeypatch, mod)
     g = torch.Generator().manual_seed(sum(rows))
-    blocks = [random_blocks(qtype, (r, HIDDEN), g) for r in rows]
+    blocks = [random_blocks(qtype, (r, cols), g) for r in rows]
     layer = gguf_linear([(qtype, raw) for raw, _ in blocks])
     assert layer.gguf_marlin_qweight.dtype == torch.int32
     # the GGUF blocks stay, for the vector kernel and the float path
@@ -124,7 +133,7 @@ def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
     for tokens in (1, 2, 3, 7, 8, 16, 31, 32, 40):
         marlin.calls.clear()
         kernels.ran.clear()
-        x = torch.randn(tokens, HIDDEN, generator=g).half()
+        x = torch.randn(tokens, cols, generator=g).half()
         out = layer.quant_method.apply(layer, x)
         assert out.shape == (tokens, sum(rows)) and out.dtype == torch.float16
         if vector < tokens <= mod.MAX_TOKENS:
