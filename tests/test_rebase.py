@@ -466,6 +466,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0034": (rb.CONFLICT, "vllm/model_executor/models/deepseek_v2.py"),
     # Fused GGUF linears of one type as one weight: goes with the loader.
     "0035": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # GGUF linears' dense Marlin copy at decode sizes: goes with the loader.
+    "0036": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 
