@@ -468,6 +468,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0035": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # GGUF linears' dense Marlin copy at decode sizes: goes with the loader.
     "0036": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    # The lm_head's float weight kept from load: goes with the loader.
+    "0037": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

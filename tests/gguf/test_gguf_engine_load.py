@@ -97,6 +97,22 @@ class CpuMulMat:
         return _cpu_mul_mat(x, qweight, qweight_type)
 
 
+def test_the_lm_head_keeps_its_float_weight(checkpoints, gguf_files, load_model):
+    """0037: the real loader's quantized lm_head keeps its weight dequantized
+    (the file's values in the model's dtype) for the float path's batches;
+    the token embedding keeps its GGUF blocks alone."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+
+    model = load_model(gguf_files[("glm", "q8_0")], checkpoints["glm"].path)
+    head = model.lm_head
+    kept = head.gguf_float_weight
+    values = _q8_0_dequant(head.qweight.data, head.qweight_type.weight_type)
+    assert kept.shape == values.shape and torch.isfinite(kept).all()
+    assert torch.equal(kept, values.to(kept.dtype))
+    assert head.gguf_float_min_tokens == gguf_dispatch.lm_head_float_min_tokens()
+    assert not hasattr(model.model.embed_tokens, "gguf_float_weight")
+
+
 def test_marlin_linears_are_added_at_load_where_asked(
     checkpoints, gguf_files, load_model, monkeypatch
 ):

@@ -29,6 +29,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from support.gguf_layers import gguf_layer
 from support.gguf_moe_ref import CpuGgufMoeOps, dequantize, moe_reference, random_blocks
 
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
@@ -292,6 +293,75 @@ def test_float_paths_lower_thresholds_only_where_measured(capability, measured,
     assert mod.float_measured_faster() is measured
 
 
+class RecordedGgufMatmul:
+    """gguf.py's op on the GGUF blocks, on the CPU: the fp64 product of
+    gguf-py's values in x's dtype; records each call's tokens."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __call__(self, x, qweight, qweight_type):
+        self.calls.append(x.shape[0])
+        values = dequantize(qweight, QType(qweight_type).name)
+        return (x.double() @ values.T).to(x.dtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q8_0", "IQ4_XS", "Q5_0"])
+@pytest.mark.parametrize("measured", [True, False], ids=["sm90", "elsewhere"])
+def test_a_quantized_lm_head_runs_its_float_weight_where_the_float_path_would(
+        qtype, measured, monkeypatch):
+    """0037: kept from load, the values the float path dequantized (gguf-py's,
+    rounded once to the model's dtype), run from DENSE_DEQUANT_SMALL_MIN_TOKENS
+    on SM90 and DENSE_DEQUANT_MIN_TOKENS elsewhere; below, the GGUF blocks
+    on gguf.py's kernels; the bias added either way."""
+    from vllm.model_executor.layers.quantization import gguf as gguf_quant
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "float_measured_faster", lambda: measured)
+    g = torch.Generator().manual_seed(37)
+    raw, values = random_blocks(qtype, (96, HIDDEN), g)
+    CpuFloatKernels().install(monkeypatch)  # ggml_dequantize's types (Q5_0)
+    head = gguf_layer([(qtype, raw)], cls=ParallelLMHead, embedding=True)
+    kept = head.gguf_float_weight
+    assert kept.dtype == torch.float16 and kept.shape == (96, HIDDEN)
+    torch.testing.assert_close(kept.double(), values.half().double(), rtol=1e-3, atol=1e-6)
+    first = mod.DENSE_DEQUANT_SMALL_MIN_TOKENS if measured else mod.DENSE_DEQUANT_MIN_TOKENS
+    assert head.gguf_float_min_tokens == first
+    blocks = RecordedGgufMatmul()
+    monkeypatch.setattr(gguf_quant, "fused_mul_mat_gguf", blocks)
+    bias = torch.randn(96, generator=g).half()
+    for tokens in (1, first - 1, first, 40):
+        blocks.calls.clear()
+        x = torch.randn(tokens, HIDDEN, generator=g).half()
+        out = head.quant_method.apply(head, x, bias=bias)
+        assert blocks.calls == ([] if tokens >= first else [tokens]), tokens
+        want = x.double() @ values.T + bias.double()
+        assert_close_to(out, want, 2e-3, f"{qtype} at {tokens} tokens")
+
+
+@pytest.mark.parametrize("case", ["token embedding", "F16 lm_head", "upstream's choice"])
+def test_what_keeps_no_float_weight(case, monkeypatch):
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(3)
+    raw, _ = random_blocks("Q4_K", (64, HIDDEN), g)
+    shards, cls = [("Q4_K", raw)], ParallelLMHead
+    if case == "token embedding":
+        cls = VocabParallelEmbedding
+    elif case == "F16 lm_head":
+        shards = [("F16", torch.randn(64, HIDDEN, generator=g).half())]
+    else:
+        monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
+    layer = gguf_layer(shards, cls=cls, embedding=True)
+    assert not hasattr(layer, "gguf_float_weight")
+
+
 def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     """Capturing a CUDA graph, a linear layer takes the float path only for a
     weight (type, shape, dtype) that ran it outside a graph before, its
@@ -509,25 +579,9 @@ def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
 
 def fused_gguf_linear(shards: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
     """A GGUFLinearMethod layer of fused shards [(type name, raw blocks)] on
-    the GPU, its parameters filled as MergedColumnParallelLinear's
-    weight_loader fills them from a GGUF, then processed after loading."""
-    from vllm.model_executor.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
-
-    layer = torch.nn.Module()
-    method = GGUFLinearMethod(GGUFConfig())
-    rows = [raw.shape[0] for _, raw in shards]
-    with torch.device("cuda"):  # as the loader builds the model
-        method.create_weights(layer, HIDDEN, rows, HIDDEN, sum(rows), torch.float16)
-        # llama.cpp's order: the last shard first (attn_kv_a_mqa before attn_q_a)
-        for shard in reversed(range(len(shards))):
-            qtype, raw = shards[shard]
-            layer.qweight.shard_id.append(shard)
-            layer.qweight.shard_id_map[shard] = len(layer.qweight.data_container)
-            layer.qweight.data_container.append(raw)
-            layer.qweight_type.shard_weight_type[shard] = int(QType[qtype])
-        method.process_weights_after_loading(layer)
+    the GPU, filled and processed as the loader does."""
+    layer = gguf_layer(shards, device="cuda")
     assert layer.qweight.is_cuda
-    layer.quant_method = method
     return layer
 
 

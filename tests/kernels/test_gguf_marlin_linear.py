@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from support.gguf_layers import gguf_layer
 from support.gguf_moe_ref import random_blocks
 from support.marlin_ref import install_for_linears
 
@@ -39,37 +39,7 @@ def _module():
 
 
 def gguf_linear(shards, device="cpu", dtype=torch.float16, cls=torch.nn.Module):
-    """A GGUFLinearMethod layer of shards [(type name, raw blocks)] filled as
-    the GGUF loader fills it (llama.cpp's order: the last shard first),
-    then processed after loading."""
-    from vllm.model_executor.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
-
-    layer = cls.__new__(cls)
-    torch.nn.Module.__init__(layer)
-    method = GGUFLinearMethod(GGUFConfig())
-    rows = [raw.shape[0] for _, raw in shards]
-    qtype, raw = shards[0]
-    cols = raw.shape[1]  # F16: the values
-    if raw.dtype == torch.uint8:  # GGUF blocks
-        block, size = GGML_QUANT_SIZES[QType[qtype]]
-        cols = cols // size * block
-    with torch.device(device):
-        method.create_weights(layer, cols, rows, cols, sum(rows), dtype)
-        if len(shards) == 1:
-            qtype, raw = shards[0]
-            layer.qweight.materialize(raw.shape, dtype=raw.dtype)
-            layer.qweight.data.copy_(raw)
-            layer.qweight_type.weight_type = int(QType[qtype])
-        else:
-            for shard in reversed(range(len(shards))):
-                qtype, raw = shards[shard]
-                layer.qweight.shard_id.append(shard)
-                layer.qweight.shard_id_map[shard] = len(layer.qweight.data_container)
-                layer.qweight.data_container.append(raw.to(device))
-                layer.qweight_type.shard_weight_type[shard] = int(QType[qtype])
-        method.process_weights_after_loading(layer)
-    layer.quant_method = method
-    return layer
+    return gguf_layer(shards, device=device, dtype=dtype, cls=cls)
 
 
 # ---------------------------------------------------------------------------
@@ -236,19 +206,23 @@ def test_marlin_takes_the_tokens_up_to_the_float_path():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype,rows", [("Q4_K", [200]), ("Q8_0", [6000]),
-                                        ("Q4_0", [640, 192]), ("Q4_K", [2048, 576])])
-def test_marlin_linear_matches_fp64(qtype, rows, dtype, monkeypatch):
+@pytest.mark.parametrize("qtype,rows,cols", [
+    ("Q4_K", [200], HIDDEN), ("Q8_0", [6000], HIDDEN), ("Q4_0", [640, 192], HIDDEN),
+    ("Q8_0", [128], 160),
+    # GLM-5 TP-8: q_a + kv_a, the lm_head's share of the vocabulary (padded to 64)
+    ("Q4_K", [2048, 576], 6144), ("Q8_0", [19360], 6144), ("Q4_K", [19360], 6144),
+])
+def test_marlin_linear_matches_fp64(qtype, rows, cols, dtype, monkeypatch):
     mod = _module()
     monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     g = torch.Generator().manual_seed(sum(rows))
-    blocks = [random_blocks(qtype, (r, HIDDEN), g) for r in rows]
+    blocks = [random_blocks(qtype, (r, cols), g) for r in rows]
     layer = gguf_linear([(qtype, raw) for raw, _ in blocks], device="cuda", dtype=dtype)
     assert hasattr(layer, "gguf_marlin_qweight")
     values = torch.cat([v for _, v in blocks])
     for tokens in (1, 2, 3, 8, 16, 24, 31, 32, 40):
-        x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+        x = torch.randn(tokens, cols, generator=g).to(dtype)
         out = layer.quant_method.apply(layer, x.cuda())
         err = _relative_error(out.cpu(), x.double() @ values.T)
         on_marlin = mod.use_marlin(tokens, int(QType[qtype]), sum(rows))
