@@ -88,6 +88,10 @@ def install_for_linears(monkeypatch, mod) -> MarlinGemm:
     monkeypatch.setattr(marlin_utils, "marlin_make_workspace_new",
                         lambda device, blocks=1: torch.zeros(4, dtype=torch.int32))
     monkeypatch.setattr(mod, "_on_gpu", lambda qweight: True)
+    # the op's Python body: the registered op runs on the dispatch key of the
+    # platform its module was first imported under (CUDA where a test stood in
+    # for one), not on the CPU tensors here
+    monkeypatch.setattr(mod, "mul_mat_gguf_marlin", mod._mul_mat_gguf_marlin)
     monkeypatch.setattr(mod, "_has_marlin", lambda: True)
     platform = types.SimpleNamespace(is_cuda=lambda: True,
                                      has_device_capability=lambda capability: True)
