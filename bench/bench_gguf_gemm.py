@@ -484,7 +484,7 @@ def marlin_dense(q: torch.Tensor, qtype: T, out: int, inp: int):
     if ml is None or not hasattr(torch.ops._C, "marlin_gemm"):
         return None
     t = int(qtype)
-    if t not in ml.gm.MARLIN_TYPES or not ml.gm.shapes_fit(t, ml.padded_rows(out), inp):
+    if not ml.fits(t, out, inp):
         return None
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         marlin_make_workspace_new,

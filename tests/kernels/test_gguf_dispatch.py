@@ -577,14 +577,6 @@ def test_linear_float_path_in_a_cuda_graph(qtype, threshold, monkeypatch):
         assert_close_to(ggml_out.cpu(), ref, GGML_TOL, f"{qtype} MMQ")
 
 
-def fused_gguf_linear(shards: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
-    """A GGUFLinearMethod layer of fused shards [(type name, raw blocks)] on
-    the GPU, filled and processed as the loader does."""
-    layer = gguf_layer(shards, device="cuda")
-    assert layer.qweight.is_cuda
-    return layer
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4, 8, 16, 32])
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K"), ("Q6_K", "Q6_K"), ("Q8_0", "Q8_0"),
@@ -601,7 +593,8 @@ def test_fused_linear_on_the_gpu(types, tokens, monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     g = torch.Generator().manual_seed(35)
     blocks = [random_blocks(t, (r, HIDDEN), g) for t, r in zip(types, (640, 192))]
-    layer = fused_gguf_linear([(t, raw) for t, (raw, _) in zip(types, blocks)])
+    layer = gguf_layer([(t, raw) for t, (raw, _) in zip(types, blocks)], device="cuda")
+    assert layer.qweight.is_cuda
     one_weight = types[0] == types[1]
     assert layer.qweight.fused_type == (int(QType[types[0]]) if one_weight else None)
     x = torch.randn(tokens, HIDDEN, generator=g).to(torch.float16).cuda()

@@ -38,10 +38,6 @@ def _module():
     return gguf_marlin_linear
 
 
-def gguf_linear(shards, device="cpu", dtype=torch.float16, cls=torch.nn.Module):
-    return gguf_layer(shards, device=device, dtype=dtype, cls=cls)
-
-
 # ---------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------
@@ -93,7 +89,7 @@ def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
     marlin = install_for_linears(monkeypatch, mod)
     g = torch.Generator().manual_seed(sum(rows))
     blocks = [random_blocks(qtype, (r, cols), g) for r in rows]
-    layer = gguf_linear([(qtype, raw) for raw, _ in blocks])
+    layer = gguf_layer([(qtype, raw) for raw, _ in blocks])
     assert layer.gguf_marlin_qweight.dtype == torch.int32
     # the GGUF blocks stay, for the vector kernel and the float path
     assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape[0] == sum(rows)
@@ -126,8 +122,8 @@ def test_an_lm_head_repacks_its_token_embedding_does_not(monkeypatch):
     mod = _module()
     install_for_linears(monkeypatch, mod)
     raw, _ = random_blocks("Q8_0", (64, HIDDEN), torch.Generator().manual_seed(1))
-    assert hasattr(gguf_linear([("Q8_0", raw)], cls=ParallelLMHead), "gguf_marlin_qweight")
-    assert not hasattr(gguf_linear([("Q8_0", raw)], cls=VocabParallelEmbedding),
+    assert hasattr(gguf_layer([("Q8_0", raw)], cls=ParallelLMHead), "gguf_marlin_qweight")
+    assert not hasattr(gguf_layer([("Q8_0", raw)], cls=VocabParallelEmbedding),
                        "gguf_marlin_qweight")
 
 
@@ -157,7 +153,7 @@ def test_which_layers_repack(shards, dtype, env, want, monkeypatch):
             return torch.randn(r, HIDDEN, generator=g).half()
         return random_blocks(t, (r, HIDDEN), g)[0]
 
-    layer = gguf_linear([(t, raw(t, r)) for t, r in shards], dtype=dtype)
+    layer = gguf_layer([(t, raw(t, r)) for t, r in shards], dtype=dtype)
     assert hasattr(layer, "gguf_marlin_qweight") is want
 
 
@@ -173,7 +169,7 @@ def test_off_by_default_and_off_the_gpu(monkeypatch):
     raw, _ = random_blocks("Q4_K", (64, HIDDEN), torch.Generator().manual_seed(2))
     install_for_linears(monkeypatch, mod)
     monkeypatch.setattr(mod, "_on_gpu", lambda qweight: qweight.is_cuda)
-    assert not hasattr(gguf_linear([("Q4_K", raw)]), "gguf_marlin_qweight")
+    assert not hasattr(gguf_layer([("Q4_K", raw)]), "gguf_marlin_qweight")
 
 
 @pytest.mark.parametrize("qtype,rows", [("Q4_K", 200), ("Q8_0", 130), ("Q4_0", 64)])
@@ -218,7 +214,7 @@ def test_marlin_linear_matches_fp64(qtype, rows, cols, dtype, monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     g = torch.Generator().manual_seed(sum(rows))
     blocks = [random_blocks(qtype, (r, cols), g) for r in rows]
-    layer = gguf_linear([(qtype, raw) for raw, _ in blocks], device="cuda", dtype=dtype)
+    layer = gguf_layer([(qtype, raw) for raw, _ in blocks], device="cuda", dtype=dtype)
     assert hasattr(layer, "gguf_marlin_qweight")
     values = torch.cat([v for _, v in blocks])
     for tokens in (1, 2, 3, 8, 16, 24, 31, 32, 40):
@@ -238,7 +234,7 @@ def test_marlin_linear_in_a_cuda_graph(monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     g = torch.Generator().manual_seed(3)
     raw, values = random_blocks("Q4_K", (200, HIDDEN), g)
-    layer = gguf_linear([("Q4_K", raw)], device="cuda")
+    layer = gguf_layer([("Q4_K", raw)], device="cuda")
     x = torch.randn(8, HIDDEN, generator=g).half().cuda()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
