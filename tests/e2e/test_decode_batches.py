@@ -123,9 +123,15 @@ def _run_batches(manifest, tmp_path_factory, files, n: int, paths: dict) -> dict
     return {**out, "prompts": prompts, "texts": texts, "paths": paths}
 
 
-def _file_runs(runs: dict, model: str, gguf_type: str) -> dict:
+def _ran(runs: dict, model: str, gguf_type: str) -> tuple[dict, list[str]]:
+    """The file's setups whose engine ran, and the errors of those whose did not."""
     res = {name: runs[(model, gguf_type, name)] for name in runs["paths"]}
-    errors = [r["error"] for r in res.values() if "error" in r]
+    return ({n: r for n, r in res.items() if "error" not in r},
+            [r["error"] for r in res.values() if "error" in r])
+
+
+def _file_runs(runs: dict, model: str, gguf_type: str) -> dict:
+    res, errors = _ran(runs, model, gguf_type)
     if errors:
         pytest.fail("\n\n".join(errors))
     return res
@@ -186,7 +192,10 @@ def test_small_decode_batches_match_fp32_as_well_as_the_peer(small_runs, manifes
 
 
 def _judge(runs, manifest, record, model, gguf_type) -> None:
-    res = _file_runs(runs, model, gguf_type)
+    # the setups that ran are judged (and recorded) though another's engine failed
+    res, errors = _ran(runs, model, gguf_type)
+    if "peer" not in res:
+        pytest.fail("\n\n".join(errors))
     hf, gguf = model_paths(manifest, model, gguf_type)
     topk = json.loads((hf / "config.json").read_text())["index_topk"]
     tf = transformers_model(hf, gguf, "cuda")
@@ -207,4 +216,6 @@ def _judge(runs, manifest, record, model, gguf_type) -> None:
         print(f"{model} {gguf_type} decode batch of {n}, {setup}: "
               f"{json.dumps({'ours': ours, 'peer': peer})}")
         failed += [f"{setup}: {f}" for f in failures]
+    if errors:
+        pytest.fail("\n\n".join([*errors, *failed]))
     assert not failed, f"decode steps of {n} sequences: " + "; ".join(failed)

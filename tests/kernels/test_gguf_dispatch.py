@@ -319,6 +319,7 @@ def test_a_quantized_lm_head_runs_its_float_weight_where_the_float_path_would(
 
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_LM_HEAD_FLOAT", raising=False)
     monkeypatch.setattr(mod, "float_measured_faster", lambda: measured)
     g = torch.Generator().manual_seed(37)
     raw, values = random_blocks(qtype, (96, HIDDEN), g)
@@ -341,7 +342,8 @@ def test_a_quantized_lm_head_runs_its_float_weight_where_the_float_path_would(
         assert_close_to(out, want, 2e-3, f"{qtype} at {tokens} tokens")
 
 
-@pytest.mark.parametrize("case", ["token embedding", "F16 lm_head", "upstream's choice"])
+@pytest.mark.parametrize("case", ["token embedding", "F16 lm_head", "upstream's choice",
+                                  "switched off"])
 def test_what_keeps_no_float_weight(case, monkeypatch):
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -356,6 +358,8 @@ def test_what_keeps_no_float_weight(case, monkeypatch):
         cls = VocabParallelEmbedding
     elif case == "F16 lm_head":
         shards = [("F16", torch.randn(64, HIDDEN, generator=g).half())]
+    elif case == "switched off":
+        monkeypatch.setenv("VLLM_GGUF_LM_HEAD_FLOAT", "0")
     else:
         monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
     layer = gguf_layer(shards, cls=cls, embedding=True)

@@ -80,6 +80,7 @@ def _relative_error(out, ref):
     ("Q8_0", [128], 160),          # K padded to Marlin's 64
     ("Q4_0", [64], 96),
     ("Q4_K", [64], 768),           # min-term columns: K' 864, padded to 896
+    ("Q8_0", [300], 832),          # K' 832: no Marlin configuration for N 320
 ])
 def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
         qtype, rows, cols, monkeypatch):
@@ -204,8 +205,8 @@ def test_marlin_takes_the_tokens_up_to_the_float_path():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype,rows,cols", [
     ("Q4_K", [200], HIDDEN), ("Q8_0", [6000], HIDDEN), ("Q4_0", [640, 192], HIDDEN),
-    ("Q8_0", [128], 160),
-    # GLM-5 TP-8: q_a + kv_a, the lm_head's share of the vocabulary (padded to 64)
+    ("Q8_0", [128], 160), ("Q8_0", [300], 832),
+    # GLM-5 TP-8: q_a + kv_a, the lm_head's share of the vocabulary (padded to 128)
     ("Q4_K", [2048, 576], 6144), ("Q8_0", [19360], 6144), ("Q4_K", [19360], 6144),
 ])
 def test_marlin_linear_matches_fp64(qtype, rows, cols, dtype, monkeypatch):

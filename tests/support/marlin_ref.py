@@ -57,6 +57,11 @@ class MarlinGemm:
         assert c is None and bias is None and g_idx is None and perm is None
         assert a_scales is None and global_scale is None
         assert a.shape == (size_m, size_k) and is_k_full and not is_zp_float
+        # the dense kernel's thread configurations (k, n): (128, 128), (64, 128),
+        # (128, 64), (64, 256); none other runs ("Invalid thread config")
+        if not (size_n % 128 == 0 and size_k % 64 == 0
+                or size_n % 64 == 0 and size_k % 128 == 0):
+            raise RuntimeError(f"Invalid thread config for MKN = [{size_m}, {size_n}, {size_k}]")
         bits = b_q_type.size_bits
         self.calls.append(size_m)
         # the words' values in permuted order, low bits first
