@@ -251,6 +251,9 @@ def on_cuda(monkeypatch):
     ("IQ4_XS", "Q4_K", 6144, 256, torch.float16, (False, True)),
     ("Q4_K", "Q4_K", 6144, 256, torch.float32, (False, True)),
     ("Q8_0", "Q8_0", 512, 48, torch.float16, (False, False)),    # gate/up rows not a multiple of 64
+    # rows 320 (gate/up) and 832 (down) at K' 832 and 192: no thread configuration
+    ("Q8_0", "Q8_0", 832, 160, torch.float16, (False, False)),
+    ("Q8_0", "Q8_0", 896, 160, torch.float16, (True, True)),     # K' 896, rows 896
 ])
 def test_which_layers_run_marlin(on_cuda, w13, w2, hidden, inter, dtype, want):
     assert on_cuda.usable(QType[w13], QType[w2], hidden, inter, dtype) is want[0]
