@@ -330,6 +330,9 @@ def test_workload_matrix():
     marlin = wl.PATHS["triton-fp16-marlin-linears"]
     assert marlin.args == ours.args and "triton-fp16-marlin-linears" not in full["paths"]
     assert dict(ours.env, VLLM_GGUF_MARLIN_LINEARS="1") == marlin.env
+    lm_head = wl.PATHS["triton-fp16-lm-head-gguf"]
+    assert lm_head.args == ours.args and "triton-fp16-lm-head-gguf" not in full["paths"]
+    assert dict(ours.env, VLLM_GGUF_LM_HEAD_FLOAT="0") == lm_head.env
     assert wl.max_model_len(full["workloads"]) == 132096
 
 

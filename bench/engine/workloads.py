@@ -98,6 +98,10 @@ PATHS = {
                  "(VLLM_GGUF_MARLIN_LINEARS=1, experimental)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_MARLIN_LINEARS": "1"}),
+        VllmPath("triton-fp16-lm-head-gguf", "the series' path with a quantized lm_head "
+                 "on its GGUF blocks only (VLLM_GGUF_LM_HEAD_FLOAT=0: no float weight kept)",
+                 ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
+                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_LM_HEAD_FLOAT": "0"}),
         # upstream as vLLM 0.23 runs it: its attention, indexer and GGUF kernels
         VllmPath("flashmla-bf16", "upstream: FLASHMLA_SPARSE + DeepGEMM indexer, bf16, "
                  "vLLM 0.23's GGUF kernels",
