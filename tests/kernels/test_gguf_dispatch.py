@@ -364,6 +364,10 @@ def test_what_keeps_no_float_weight(case, monkeypatch):
         monkeypatch.setenv("VLLM_GGUF_KERNELS", "upstream")
     layer = gguf_layer(shards, cls=cls, embedding=True)
     assert not hasattr(layer, "gguf_float_weight")
+    if case == "switched off":
+        # the switch is the lm_head's: every GGUF linear still takes the float path
+        mod = _module()
+        assert mod.use_dense_dequant(mod.DENSE_DEQUANT_MIN_TOKENS, int(QType.Q4_K))
 
 
 def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
