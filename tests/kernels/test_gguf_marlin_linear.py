@@ -7,7 +7,8 @@ CPU: a GGUFLinearMethod layer (one weight, a fused q_a + kv_a, rows not a
 multiple of 64, an lm_head) processed after loading as the loader does,
 then applied through the method: batches between ggml's vector kernel and
 MAX_TOKENS + 1 take Marlin and give x @ W.T of gguf-py's values, the
-others keep gguf.py's kernels; the Marlin operands are what marlin_gemm
+others keep gguf.py's kernels (an lm_head's float weight, 0037's, from
+MAX_TOKENS + 1); the Marlin operands are what marlin_gemm
 reads: ops.gptq_marlin_repack and ops.marlin_gemm stand in on the CPU
 through vLLM's Python reference of the layout (support/marlin_ref.py).
 Which layers repack (types, dtype, the switches, token embeddings, fused
@@ -126,6 +127,41 @@ def test_an_lm_head_repacks_its_token_embedding_does_not(monkeypatch):
     assert hasattr(gguf_layer([("Q8_0", raw)], cls=ParallelLMHead), "gguf_marlin_qweight")
     assert not hasattr(gguf_layer([("Q8_0", raw)], cls=VocabParallelEmbedding),
                        "gguf_marlin_qweight")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("measured", [True, False], ids=["sm90", "elsewhere"])
+def test_an_lm_heads_marlin_copy_runs_before_its_float_weight(qtype, measured,
+                                                              monkeypatch):
+    """0037 beside 0036: an lm_head with both copies runs Marlin up to
+    MAX_TOKENS and its float weight from MAX_TOKENS + 1, on SM90 too (where
+    the float weight alone starts at 8)."""
+    from vllm.model_executor.layers.quantization import gguf_dispatch
+    from vllm.model_executor.layers.quantization.gguf import mmvq_max_tokens
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    mod = _module()
+    marlin = install_for_linears(monkeypatch, mod)
+    monkeypatch.delenv("VLLM_GGUF_LM_HEAD_FLOAT", raising=False)
+    monkeypatch.setattr(gguf_dispatch, "float_measured_faster", lambda: measured)
+    g = torch.Generator().manual_seed(36)
+    raw, values = random_blocks(qtype, (192, HIDDEN), g)
+    head = gguf_layer([(qtype, raw)], cls=ParallelLMHead, embedding=True)
+    assert hasattr(head, "gguf_marlin_qweight") and hasattr(head, "gguf_float_weight")
+    assert head.gguf_float_min_tokens == mod.MAX_TOKENS + 1
+    kernels = GgufKernels(values).install(monkeypatch)
+    vector = mmvq_max_tokens(int(QType[qtype]), 192)
+    for tokens in (1, vector + 1, 8, mod.MAX_TOKENS, mod.MAX_TOKENS + 1, 40):
+        marlin.calls.clear()
+        kernels.ran.clear()
+        x = torch.randn(tokens, HIDDEN, generator=g).half()
+        out = head.quant_method.apply(head, x)
+        on_marlin = vector < tokens <= mod.MAX_TOKENS
+        assert marlin.calls == ([tokens] if on_marlin else []), tokens
+        # the float weight's GEMM is no kernel of gguf.py's
+        assert kernels.ran == ([("vector", tokens)] if tokens <= vector else []), tokens
+        err = _relative_error(out, x.double() @ values.T)
+        assert err < 2e-3, (tokens, err)
 
 
 @pytest.mark.parametrize("shards,dtype,env,want", [
