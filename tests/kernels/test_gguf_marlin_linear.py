@@ -8,9 +8,9 @@ multiple of 64, an lm_head) processed after loading as the loader does,
 then applied through the method: batches between ggml's vector kernel and
 MAX_TOKENS + 1 take Marlin and give x @ W.T of gguf-py's values, the
 others keep gguf.py's kernels (an lm_head's float weight, 0037's, from
-MAX_TOKENS + 1); the Marlin operands are what marlin_gemm
-reads: ops.gptq_marlin_repack and ops.marlin_gemm stand in on the CPU
-through vLLM's Python reference of the layout (support/marlin_ref.py).
+MAX_TOKENS + 1); the Marlin operands are what marlin_gemm reads:
+ops.gptq_marlin_repack and ops.marlin_gemm stand in on the CPU through
+vLLM's Python reference of the layout (support/marlin_ref.py).
 Which layers repack (types, dtype, the switches, token embeddings, fused
 shards of two types), and a repack in row chunks equal to one in a piece.
 GPU (`-m gpu`): the real kernels through the layer's apply, fp16 and bf16,
