@@ -240,6 +240,22 @@ def _llama_cpp_or_skip():
         pytest.skip(f"llama_cpp (llama-cpp-python, tests/requirements-gpu.txt) not importable: {e}")
 
 
+def test_a_quantized_file_without_the_quantizer_fails_before_building(tmp_path,
+                                                                      monkeypatch):
+    """Without llama-cpp-python the builder says so and names the types
+    before it writes anything (the F16 file takes minutes at full width)."""
+    import importlib.util
+
+    from engine import build
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"q4_k_m, mix-iq2_xxs need llama.cpp's quantizer"):
+        build.build(micro("glm5-tp8"), ["f16", "q4_k_m", "mix-iq2_xxs"], tmp_path, nthread=1)
+    assert not any(tmp_path.rglob("*.gguf")) and not any(tmp_path.rglob("config.json"))
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """micro GLM-5 TP-8: F16 (converter), Q4_K_M and the IQ2_XXS mixture

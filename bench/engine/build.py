@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -190,6 +191,14 @@ def build(spec: specs.Spec, types: list[str], out: Path, nthread: int | None = N
     if not todo and (hf / "config.json").is_file():
         print(f"[bench-engine] {spec.name}: up to date ({', '.join(types)})", flush=True)
         return info
+    quantized = [t for t in todo if specs.TYPES[t].ftype != "convert"]
+    # before the F16 file, which takes minutes at full width
+    if quantized and importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit(
+            f"{spec.name}: {', '.join(quantized)} need llama.cpp's quantizer, read "
+            "through llama-cpp-python (tests/requirements-gpu.txt), which this "
+            "Python cannot import"
+        )
     start = time.monotonic()
     write_hf(spec, hf)
     info["parameters"] = specs.parameter_count(spec)
