@@ -9,6 +9,7 @@ scripts/run-bench-engine.sh); its modules are the package bench/engine.
     bench_engine.py build-llama-cpp [--cache DIR]  # llama-server + llama-bench, CUDA, once
     bench_engine.py pack-llama-src DEST.tar.gz  # pinned llama.cpp source, trimmed (LLAMA_CPP_SRC)
     bench_engine.py run [--quick] [--files ...] [--paths ...] [--workloads ...] [--budget-s N]
+                        [--rounds N]            # N servers a path, the paths in turn
     bench_engine.py profile [--quick] [--files ...] [--paths ...] [--scenarios ...]
                                                 # where a step's time goes (GPU)
     bench_engine.py recut-profile --traces DIR [--results DIR]
@@ -45,6 +46,13 @@ def _files(args) -> list[tuple[str, str]]:
     from engine.run import known_files
 
     return known_files(args.files) or (wl.QUICK_FILES if args.quick else wl.FULL_FILES)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a count of 1 or more")
+    return n
 
 
 def cmd_plan(args) -> int:
@@ -169,6 +177,8 @@ def cmd_render(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine import step_profile as profile
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
@@ -213,14 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(WORK), help="server logs, raw results")
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start nothing new after this many seconds (partial data is kept)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="start each vLLM path's server this many times, the paths in turn "
+                        "(A B A B); engine.md gives each figure's median and range")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("profile", help="where the time of a step goes (GPU)")
     selection(p)
     p.add_argument("--paths", help=f"comma-separated, of {', '.join(wl.PATHS)} "
                                    "(default: triton-fp16,flashmla-bf16)")
-    p.add_argument("--scenarios", help="comma-separated, of decode-1-32k, decode-32-32k, "
-                                       "decode-1-4k, decode-32-4k, prefill-16k")
+    p.add_argument("--scenarios", help=f"comma-separated, of {', '.join(profile.SCENARIOS)}")
     p.add_argument("--models", default=str(MODELS))
     p.add_argument("--results", default=str(BENCH / "results"))
     p.add_argument("--work", default=str(WORK), help="server logs, traces")

@@ -672,6 +672,81 @@ def test_record_reads_back_and_renders(tmp_path):
     assert record.render(tmp_path, check=True)
 
 
+def test_rounds_interleave_the_paths(tmp_path, monkeypatch):
+    """--rounds 2: every vLLM path's server twice, the paths in turn (A B A
+    B), each tagged with its round; llama.cpp's server once."""
+    import argparse
+
+    from engine import run
+
+    models = tmp_path / "models"
+    (models / "glm5-tp8").mkdir(parents=True)
+    (models / "glm5-tp8" / "build.json").write_text(json.dumps(
+        {"files": {"q4_k_m": {"file": "f.gguf", "bytes": 1, "types": {"Q4_K": 1}}},
+         "seconds": {"convert_f16": 1.0}, "spec": {}}))
+    args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
+                              quick=False, budget_s=float("inf"), models=str(models), rounds=2)
+    plan = wl.plan(False, [("glm5-tp8", "q4_k_m")],
+                   ["triton-fp16-marlin-linears", "triton-fp16", "llama.cpp"], ["single-4k"])
+    runner = run.Runner(args, plan)
+    started = []
+    monkeypatch.setattr(runner, "vllm", lambda path, *a: started.append((path, a[-1])))
+    monkeypatch.setattr(runner, "llama", lambda *a: started.append(("llama.cpp", None)))
+    assert runner.run() == 0
+    assert started == [("triton-fp16-marlin-linears", 1), ("triton-fp16", 1),
+                       ("llama.cpp", None), ("triton-fp16-marlin-linears", 2),
+                       ("triton-fp16", 2)]
+    assert runner.data.env["rounds"] == 2
+    # one round: no round anywhere, as before
+    args.rounds = 1
+    runner, started[:] = run.Runner(args, plan), []
+    monkeypatch.setattr(runner, "vllm", lambda path, *a: started.append((path, a[-1])))
+    monkeypatch.setattr(runner, "llama", lambda *a: started.append(("llama.cpp", None)))
+    runner.run()
+    assert [r for _, r in started] == [None] * 3 and "rounds" not in runner.data.env
+    with pytest.raises(SystemExit):
+        run_cli(["run", "--rounds", "0"])
+
+
+def run_cli(argv: list[str]) -> int:
+    sys.path.insert(0, str(BENCH))
+    import bench_engine
+
+    return bench_engine.main(argv)
+
+
+def test_rounds_render_their_medians_and_ranges(tmp_path):
+    """Each round's rows tagged #round; × upstream against the same round's
+    peer; Across rounds: the median and the range of each figure."""
+    env = dict(FAKE_ENV, rounds=3)
+    data = BenchData("engine", env)
+    inp = {"checkpoint": "glm5-tp8", "type": "q4_k_m"}
+    w = wl.WORKLOADS["concurrent-8"]
+    for r, (ours, peer, itl) in enumerate(((2000.0, 1000.0, 2.0), (2600.0, 1300.0, 2.6),
+                                          (1900.0, 1000.0, 2.3)), start=1):
+        for path, tput in (("triton-fp16", ours), ("flashmla-bf16", peer)):
+            i = dict(inp, path=path, round=r)
+            data.row("servers", i, start_s=90.0 + r, command=f"serve {path}")
+            data.row("serve", dict(i, workload=w.name, kind=w.kind),
+                     **dict(parse.bench_serve(dict(BENCH_RESULT, output_throughput=tput,
+                                                   p50_itl_ms=itl), w), command="bench"))
+    path = data.write(tmp_path / "nvidia-h200")
+    assert record.render(tmp_path) == []
+    md = (path.parent / "engine.md").read_text()
+    assert "Rounds: 3: each vLLM path's server started 3 times" in md
+    assert "| glm5-tp8 q4_k_m | triton-fp16 #2 |" in md
+    # round 2's ratio is against round 2's peer: 2600 / 1300
+    assert "| glm5-tp8 q4_k_m | concurrent-8 | triton-fp16 #2 | 2600.0 |" in md
+    row = next(line for line in md.splitlines()
+               if line.startswith("| glm5-tp8 q4_k_m | concurrent-8 | triton-fp16 #2 |"))
+    assert row.split("|")[6].strip() == "2.00"
+    assert ("| glm5-tp8 q4_k_m | concurrent-8 | triton-fp16 | 3 | 2000.0 (1900.0–2600.0 ±18 %) |"
+            in md)
+    assert "| 2.30 (2.00–2.60 ±13 %) |" in md
+    assert ("| glm5-tp8 q4_k_m | concurrent-8 | flashmla-bf16 | 3 | "
+            "1000.0 (1000.0–1300.0 ±15 %)") in md
+
+
 def test_render_machinery_shape():
     """engine.md, engine_profile.md and engine_estimate.md plug into
     bench/render.py's RENDERERS as they are (bench/render.py's renderers())."""

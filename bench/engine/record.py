@@ -7,9 +7,10 @@ record, then one row per measured case) with these tables:
 
 - ``files``: a GGUF file (checkpoint, type): bytes, tensor types,
   parameters, the routing check, build seconds;
-- ``servers``: one server start (file, path): what vLLM chose (backend,
-  indexer), weights / KV cache / CUDA-graph memory, KV tokens, bytes per
-  token, 32k-token sequences that fit, GPU memory, start seconds, command;
+- ``servers``: one server start (file, path; its round with --rounds):
+  what vLLM chose (backend, indexer), weights / KV cache / CUDA-graph
+  memory, KV tokens, bytes per token, 32k-token sequences that fit, GPU
+  memory, start seconds, command;
 - ``serve``: one workload against one server (`vllm bench serve`): output
   and total tok/s, TTFT / TPOT / ITL percentiles, per-stream and prefill
   tok/s, command;
@@ -43,6 +44,43 @@ def _types(t: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
 
 
+# (figure, its column, format) of the Across rounds table
+ROUND_FIGURES = [("output_tok_s", "output tok/s", ".1f"), ("tpot_p50_ms", "TPOT p50 ms", ".2f"),
+                 ("itl_p50_ms", "ITL p50 ms", ".2f"), ("ttft_p50_ms", "TTFT p50 ms", ".1f")]
+
+
+def _median(values: list[float]) -> float:
+    v, n = sorted(values), len(values)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def across_rounds(serve: list[tuple[dict, dict]]) -> list[str]:
+    """Each (file, workload, path): its rounds' median, and their range
+    (min–max) with its width as a share of the median."""
+    groups: dict[tuple, list[dict]] = {}
+    for i, f in serve:
+        groups.setdefault((f"{i['checkpoint']} {i['type']}", i["workload"], i["path"]),
+                          []).append(f)
+    cells = []
+    for key, figs in groups.items():
+        row = [*key, str(len(figs))]
+        for name, _, spec in ROUND_FIGURES:
+            v = [f[name] for f in figs if f.get(name) is not None]
+            if not v:
+                row.append("")
+                continue
+            m = _median(v)
+            width = f" ±{50 * (max(v) - min(v)) / m:.0f} %" if m else ""
+            row.append(f"{fmt(m, spec)} ({fmt(min(v), spec)}–{fmt(max(v), spec)}{width})")
+        cells.append(row)
+    out = ["## Across rounds", "",
+           ("Median of the rounds (range; ± half its width as a share of the median). "
+            "Two paths differ past their noise where their ranges do not overlap."), ""]
+    out += table(["file", "workload", "path", "rounds", *[c for _, c, _ in ROUND_FIGURES]],
+                 "lllr" + "r" * len(ROUND_FIGURES), cells)
+    return [*out, ""]
+
+
 def engine_md(run: dict, rows: list[dict]) -> str:
     out = ["# Engine: `vllm serve` under `vllm bench serve`, peers in the same run", ""]
     out += [*header(run), ""]
@@ -70,6 +108,15 @@ def engine_md(run: dict, rows: list[dict]) -> str:
               fmt(f.get("build_s"), ".0f")] for i, f in files],
         )  # fmt: skip
         out.append("")
+    rounds = bool(env.get("rounds"))
+    if rounds:
+        out += [(f"Rounds: {env['rounds']}: each vLLM path's server started {env['rounds']} "
+                 "times, the paths in turn (A B A B); × upstream against the same round's "
+                 "peer; the medians and ranges are under Across rounds."), ""]
+
+    def path_of(i: dict) -> str:
+        return f"{i['path']} #{i['round']}" if "round" in i else i["path"]
+
     servers = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "servers"]
     if servers:
         out += ["## Servers", ""]
@@ -77,7 +124,7 @@ def engine_md(run: dict, rows: list[dict]) -> str:
             ["file", "path", "backend", "indexer", "weights GiB", "KV GiB", "KV tokens",
              "KV B/token", "32k seqs", "GPU MiB", "start s"],
             "llllrrrrrrr",
-            [[f"{i['checkpoint']} {i['type']}", i["path"], f.get("attention_backend", ""),
+            [[f"{i['checkpoint']} {i['type']}", path_of(i), f.get("attention_backend", ""),
               f.get("indexer", "") if i["path"] != "llama.cpp" else "",
               fmt(f.get("weights_gib"), ".2f"), fmt(f.get("kv_cache_gib"), ".2f"),
               fmt(f.get("kv_cache_tokens"), ","), fmt(f.get("kv_bytes_per_token"), ".0f"),
@@ -87,11 +134,11 @@ def engine_md(run: dict, rows: list[dict]) -> str:
         out.append("")
     serve = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "serve"]
     if serve:
-        peer = {(i["checkpoint"], i["type"], i["workload"]): f for i, f in serve
-                if i["path"] == PEER}
+        peer = {(i["checkpoint"], i["type"], i["workload"], i.get("round")): f
+                for i, f in serve if i["path"] == PEER}
 
         def ratio(i: dict, f: dict, key: str) -> str:
-            p = peer.get((i["checkpoint"], i["type"], i["workload"]))
+            p = peer.get((i["checkpoint"], i["type"], i["workload"], i.get("round")))
             if i["path"] == PEER or not p or not p.get(key) or f.get(key) is None:
                 return ""
             return f"{f[key] / p[key]:.2f}"
@@ -102,7 +149,7 @@ def engine_md(run: dict, rows: list[dict]) -> str:
              "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s per stream",
              "prefill tok/s", "failed"],
             "lllrrrrrrrrrr",
-            [[f"{i['checkpoint']} {i['type']}", i["workload"], i["path"],
+            [[f"{i['checkpoint']} {i['type']}", i["workload"], path_of(i),
               fmt(f.get("output_tok_s"), ".1f"), fmt(f.get("total_tok_s"), ".1f"),
               ratio(i, f, "prefill_tok_s" if i["kind"] == "prefill" else "output_tok_s"),
               fmt(f.get("ttft_p50_ms"), ".1f"), fmt(f.get("ttft_p99_ms"), ".1f"),
@@ -111,6 +158,8 @@ def engine_md(run: dict, rows: list[dict]) -> str:
               str(f.get("failed", ""))] for i, f in serve],
         )  # fmt: skip
         out.append("")
+        if rounds:
+            out += across_rounds(serve)
     lb = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "llama_bench"]
     if lb:
         out += ["## llama-bench (llama.cpp's own tool, same files)", ""]

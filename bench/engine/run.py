@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine benchmark on a GPU: for each file, each path's server in
-turn (never two at once), each workload against it (a warm-up invocation,
-then the measured one), the server's own figures from its log, GPU memory
-from nvidia-smi. The data file is rewritten after every workload, so a run
-cut short (device time, --budget-s) keeps what it measured."""
+turn (never two at once; with --rounds, the paths again in the same
+order), each workload against it (a warm-up invocation, then the measured
+one), the server's own figures from its log, GPU memory from nvidia-smi.
+The data file is rewritten after every workload, so a run cut short
+(device time, --budget-s) keeps what it measured."""
 
 from __future__ import annotations
 
@@ -146,6 +147,11 @@ class Runner:
         env["workloads"] = [w.name for w in plan["workloads"]]
         if plan.get("only"):
             env["only"] = plan["only"]
+        # each round starts every path's server once more, in --paths order
+        # (A B A B): a path's figures come with their spread between servers
+        self.rounds = getattr(args, "rounds", 1) or 1
+        if self.rounds > 1:
+            env["rounds"] = self.rounds
         self.data = BenchData("engine", env)
         self.data.notes.append(
             "Paths: " + "; ".join(f"`{p}`: {wl.PATHS[p].about}" if p in wl.PATHS else
@@ -221,14 +227,19 @@ class Runner:
 
     # -- paths ----------------------------------------------------------------
 
-    def vllm(self, path: str, name: str, gtype: str, gguf: Path, hf: Path) -> None:
+    def vllm(self, path: str, name: str, gtype: str, gguf: Path, hf: Path,
+             round_: int | None = None) -> None:
         p = wl.PATHS[path]
         port = free_port()
         cmd = wl.vllm_serve(p, gguf, hf, port, self.max_len, python=sys.executable)
         env = wl.vllm_env(p, dict(os.environ), REPORT_SM)
-        log = self.work / f"{name}-{gtype}-{path}.log"
+        tag = f"{name}-{gtype}-{path}" + (f"-round{round_}" if round_ else "")
+        log = self.work / f"{tag}.log"
         inputs = {"checkpoint": name, "type": gtype, "path": path}
-        print(f"[bench-engine] start {path} on {gguf.name}", flush=True)
+        if round_:
+            inputs["round"] = round_
+        print(f"[bench-engine] start {path} on {gguf.name}"
+              + (f" (round {round_})" if round_ else ""), flush=True)
         server = Server(cmd, env, log, f"http://127.0.0.1:{port}/health")
         peak = Peak()
         try:
@@ -246,7 +257,7 @@ class Runner:
             for w in wl.path_workloads(self.plan, path):
                 if self.skip(f"{name} {gtype} {path} {w.name}"):
                     break
-                self.bench(w, port, hf, inputs, f"{name}-{gtype}-{path}")
+                self.bench(w, port, hf, inputs, tag)
             row["gpu_mib_peak"] = peak.peak
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             self.data.notes.append(f"{name} {gtype} {path}: {type(e).__name__}: "
@@ -320,13 +331,18 @@ class Runner:
                           build_s=sum(v for k, v in info["seconds"].items()
                                       if k != "total_last_build"),
                           spec=info["spec"])
-            for path in self.plan["paths"]:
-                if self.skip(f"{name} {gtype} {path}", self.longest_start):
-                    continue
-                if path == wl.LLAMA_CPP:
-                    self.llama(name, gtype, gguf, hf)
-                else:
-                    self.vllm(path, name, gtype, gguf, hf)
+            for r in range(1, self.rounds + 1):
+                for path in self.plan["paths"]:
+                    if path == wl.LLAMA_CPP and r > 1:
+                        continue  # llama-bench repeats on its own
+                    round_ = r if self.rounds > 1 else None
+                    what = f"{name} {gtype} {path}" + (f" round {r}" if round_ else "")
+                    if self.skip(what, self.longest_start):
+                        continue
+                    if path == wl.LLAMA_CPP:
+                        self.llama(name, gtype, gguf, hf)
+                    else:
+                        self.vllm(path, name, gtype, gguf, hf, round_)
         self.save()
         failed = [n for n in self.data.notes if "Error" in n or "FAILED" in n]
         return 1 if failed else 0

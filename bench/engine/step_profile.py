@@ -4,7 +4,7 @@
 torch profiler (``--profiler-config``), driven into a steady state, and the
 worker's trace cut into engine steps.
 
-Scenarios (SCENARIOS): decode of 1 and of 32 sequences whose prompts fill
+Scenarios (SCENARIOS): decode of 1 to 32 sequences whose prompts fill
 a given context (the profile starts once every prompt is prefilled), and
 one long prefill. The worker annotates every step with its batch
 ("execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)");
@@ -265,6 +265,8 @@ SCENARIOS = {
         Scenario("decode-32-32k", "decode", 32, 32768,
                  "32 sequences decoding, each at 32k of context"),
         Scenario("decode-1-4k", "decode", 1, 4096, "one sequence decoding at 4k of context"),
+        Scenario("decode-8-4k", "decode", 8, 4096, "8 sequences decoding at 4k"),
+        Scenario("decode-16-4k", "decode", 16, 4096, "16 sequences decoding at 4k"),
         Scenario("decode-32-4k", "decode", 32, 4096, "32 sequences decoding at 4k"),
         Scenario("prefill-16k", "prefill", 1, 16384, "one 16k-token prompt"),
     ]
