@@ -346,6 +346,10 @@ def test_workload_matrix():
     marlin = wl.PATHS["triton-fp16-marlin-linears"]
     assert marlin.args == ours.args and "triton-fp16-marlin-linears" not in full["paths"]
     assert dict(ours.env, VLLM_GGUF_MARLIN_LINEARS="1") == marlin.env
+    auto, auto_marlin = wl.PATHS["auto-sm120"], wl.PATHS["auto-sm120-marlin-linears"]
+    assert (auto_marlin.args, auto_marlin.report_sm) == (auto.args, auto.report_sm)
+    assert dict(auto.env, VLLM_GGUF_MARLIN_LINEARS="1") == auto_marlin.env
+    assert "auto-sm120-marlin-linears" not in full["paths"]
     lm_head = wl.PATHS["triton-fp16-lm-head-gguf"]
     assert lm_head.args == ours.args and "triton-fp16-lm-head-gguf" not in full["paths"]
     assert dict(ours.env, VLLM_GGUF_LM_HEAD_FLOAT="0") == lm_head.env

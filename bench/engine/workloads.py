@@ -81,6 +81,14 @@ PATHS = {
         VllmPath("auto-sm120", "the series' automatic choice, device reported as SM 12.0, fp16",
                  ("--dtype", "float16"),
                  {"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0"}, "12.0"),
+        # what SM120 would run with 0036: there the batches it takes are MMQ's
+        # (the float path's thresholds hold on SM90 only)
+        VllmPath("auto-sm120-marlin-linears", "the series' automatic choice, device reported "
+                 "as SM 12.0, fp16, with Q4_K/Q4_0/Q8_0 linear layers on vLLM's dense Marlin "
+                 "GEMM at decode batch sizes (VLLM_GGUF_MARLIN_LINEARS=1, experimental)",
+                 ("--dtype", "float16"),
+                 {"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0",
+                  "VLLM_GGUF_MARLIN_LINEARS": "1"}, "12.0"),
         VllmPath("triton-fp16-ggml", "the series' path with vLLM 0.23's choice of GGUF kernels "
                  "(VLLM_GGUF_KERNELS=upstream: ggml's kernels at every batch size)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
