@@ -194,19 +194,45 @@ def test_kernel_names_and_where_code_runs():
     assert _runs_on({("sass", "sm_90a")}, 90) and not _runs_on({("ptx", "sm_100")}, 90)
 
 
-@pytest.mark.parametrize("op", sorted(SM120_PATH_KERNELS))
-def test_compiled_kernels_of_the_sm120_path_run_on_sm120(fatbin_kernels, op):
-    """The wheel's compiled kernels that the series' path launches on an
-    RTX PRO 6000 / RTX 5090 run there: each is sm_120 code or PTX the driver
-    compiles for it, at least wherever an H200 (SM 9.0) could run it. No
-    SM120 GPU here: read from the installed extensions' fat binaries."""
+def _op_kernels(fatbin_kernels, op: str) -> dict[str, set[tuple[str, str]]]:
     pattern = re.compile(SM120_PATH_KERNELS[op])
     namespace = _NAMESPACE.get(op)
     kernels = {key: code for key, names, code in fatbin_kernels
                if any(pattern.fullmatch(n) for n in names)
                and (namespace is None or namespace in names[:2])}
     assert kernels, f"{op}: no kernel named {pattern.pattern} in the installed ops"
+    return kernels
+
+
+@pytest.mark.parametrize("op", sorted(SM120_PATH_KERNELS))
+def test_compiled_kernels_of_the_sm120_path_run_on_sm120(fatbin_kernels, op):
+    """The wheel's compiled kernels that the series' path launches on an
+    RTX PRO 6000 / RTX 5090 run there: each is sm_120 code or PTX the driver
+    compiles for it, at least wherever an H200 (SM 9.0) could run it. No
+    SM120 GPU here: read from the installed extensions' fat binaries."""
+    kernels = _op_kernels(fatbin_kernels, op)
     on_sm120 = [k for k, code in kernels.items() if _runs_on(code, 120)]
     assert on_sm120, f"{op}: none of its {len(kernels)} kernels runs on SM 12.0"
     missing = [k for k, code in kernels.items() if _runs_on(code, 90) and k not in on_sm120]
     assert not missing, f"{op}: runs on SM 9.0 but not on SM 12.0: {missing[:3]}"
+
+
+# Ops of the SM120 path whose kernels vLLM 0.23 builds without sm_120 code
+# ("7.5;8.0+PTX"): the driver compiles their PTX at first use there. The
+# others, the GEMMs among them, carry sm_120 code: compiling Marlin's from
+# PTX takes about a minute a kernel (as SM90 does).
+SM120_FROM_PTX = {"gptq_marlin_repack (0028)"}
+
+
+@pytest.mark.parametrize("op", sorted(SM120_PATH_KERNELS))
+def test_which_kernels_of_the_sm120_path_compile_from_ptx_there(fatbin_kernels, op):
+    """An RTX PRO 6000 / RTX 5090 runs the path's kernels from the wheel's
+    sm_120 code, but for SM120_FROM_PTX's, compiled at their first call."""
+    kernels = _op_kernels(fatbin_kernels, op)
+    sass = {k for k, code in kernels.items()
+            if _runs_on({c for c in code if c[0] == "sass"}, 120)}
+    if op in SM120_FROM_PTX:
+        assert not sass, f"{op}: now has sm_120 code ({sorted(sass)[:2]}): update SM120_FROM_PTX"
+    else:
+        ptx_only = [k for k, code in kernels.items() if _runs_on(code, 120) and k not in sass]
+        assert not ptx_only, f"{op}: runs on SM 12.0 from PTX only: {ptx_only[:3]}"

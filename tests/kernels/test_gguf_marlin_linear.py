@@ -20,6 +20,8 @@ graph right after loading, replayed on new inputs.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -220,6 +222,27 @@ def test_a_repack_in_row_chunks_is_the_repack_in_one(qtype, rows, monkeypatch):
     padded = torch.nn.functional.pad(raw, (0, 0, 0, mod.padded_rows(rows) - rows))
     w1, s1 = mod.gm.repack_experts(padded.unsqueeze(0), t, HIDDEN, torch.float16)
     assert torch.equal(w, w1[0]) and torch.equal(s, s1[0])
+
+
+@pytest.mark.parametrize("capability,dtype,compiles", [
+    ((9, 0), torch.float16, True), ((9, 0), torch.bfloat16, False),
+    ((10, 0), torch.bfloat16, True), ((12, 0), torch.float16, False),
+    ((8, 6), torch.bfloat16, False),
+], ids=str)
+def test_the_dense_kernels_ptx_compile_is_told_by_dtype(capability, dtype, compiles,
+                                                        monkeypatch):
+    """vLLM 0.23 builds its dense Marlin GEMM with code for SM 8.x and 12.x,
+    its bf16 kernels for SM 9.x too."""
+    from vllm.model_executor.layers.quantization import gguf_marlin_moe as gm
+
+    ml = _module()
+    reported = types.SimpleNamespace(major=capability[0], minor=capability[1])
+    monkeypatch.setattr(gm, "current_platform",
+                        types.SimpleNamespace(get_device_capability=lambda: reported))
+    note = gm.ptx_compile_note("vLLM's dense Marlin kernels", ml.MARLIN_CODE_MAJORS[dtype])
+    assert (note is not None) is compiles
+    if compiles:
+        assert f"no code for SM {capability[0]}.{capability[1]}" in note
 
 
 def test_marlin_takes_the_tokens_up_to_the_float_path():

@@ -228,6 +228,29 @@ def test_kernels_compile_for_sm120_and_sm90(tmp_path):
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 
+@pytest.mark.parametrize("capability,compiles", [
+    ((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), False),
+    ((12, 1), False), (None, False),
+])
+def test_a_gpu_without_marlin_code_is_told_of_the_ptx_compile(capability, compiles,
+                                                              monkeypatch):
+    """vLLM 0.23's Marlin MoE kernels carry code for SM 8.x and 12.x; a
+    start elsewhere spends about a minute a kernel compiling their PTX, and
+    says so."""
+    gm = _module()
+    reported = types.SimpleNamespace(major=capability[0], minor=capability[1]) if (
+        capability) else None
+    monkeypatch.setattr(gm, "current_platform",
+                        types.SimpleNamespace(get_device_capability=lambda: reported))
+    note = gm.ptx_compile_note("vLLM's Marlin MoE kernels", gm.MARLIN_MOE_CODE_MAJORS)
+    if not compiles:
+        assert note is None
+        return
+    assert note.startswith(f"vLLM's Marlin MoE kernels have no code for SM {capability[0]}."
+                           f"{capability[1]} in vLLM 0.23's build")
+    assert "PTX" in note and "CUDA JIT cache" in note and "CUDA_CACHE_MAXSIZE" in note
+
+
 @pytest.fixture
 def on_cuda(monkeypatch):
     gm = _module()
