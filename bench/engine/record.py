@@ -24,6 +24,7 @@ per (file, path, scenario), rendered to ``engine_profile.md``.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from benchdata import read
@@ -49,11 +50,6 @@ ROUND_FIGURES = [("output_tok_s", "output tok/s", ".1f"), ("tpot_p50_ms", "TPOT 
                  ("itl_p50_ms", "ITL p50 ms", ".2f"), ("ttft_p50_ms", "TTFT p50 ms", ".1f")]
 
 
-def _median(values: list[float]) -> float:
-    v, n = sorted(values), len(values)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
 def across_rounds(serve: list[tuple[dict, dict]]) -> list[str]:
     """Each (file, workload, path): its rounds' median, and their range
     (min–max) with its width as a share of the median."""
@@ -69,7 +65,7 @@ def across_rounds(serve: list[tuple[dict, dict]]) -> list[str]:
             if not v:
                 row.append("")
                 continue
-            m = _median(v)
+            m = statistics.median(v)
             width = f" ±{50 * (max(v) - min(v)) / m:.0f} %" if m else ""
             row.append(f"{fmt(m, spec)} ({fmt(min(v), spec)}–{fmt(max(v), spec)}{width})")
         cells.append(row)
