@@ -1,0 +1,120 @@
+"""The engine config of a GGUF checkpoint: --cpu-offload-gb is refused
+(patch 0038: vLLM's UVA offloader picks the weights to offload while the
+model is built, before a GGUF weight exists, so it would offload none of
+the quantized weights); --dtype auto takes float16 where vLLM's GGUF
+kernels refuse the config's bfloat16 (patch 0039: Blackwell)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+
+def _engine_config(monkeypatch, model: str, config_dir: str, **args):
+    import vllm.engine.arg_utils as arg_utils
+    from vllm.config import DeviceConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    # No accelerator on CPU test machines; the device plays no part here.
+    monkeypatch.setattr(arg_utils, "DeviceConfig", lambda device: DeviceConfig("cpu"))
+    engine_args = EngineArgs(model=model, hf_config_path=config_dir, tokenizer=config_dir,
+                             **args)
+    return engine_args.create_engine_config()
+
+
+@pytest.mark.parametrize("offload", [
+    {"cpu_offload_gb": 4},
+    {"cpu_offload_gb": 0.5, "offload_backend": "uva"},
+    {"cpu_offload_gb": 4, "cpu_offload_params": {"experts"}},
+], ids=["auto", "uva", "some-params"])
+def test_uva_offload_of_a_gguf_is_refused_naming_the_argument(
+    monkeypatch, checkpoints, gguf_files, offload
+):
+    config_dir = str(checkpoints["glm"].path)
+    model = str(gguf_files[("glm", "q8_0")])
+    with pytest.raises(ValueError, match=(
+        rf"--cpu-offload-gb {offload['cpu_offload_gb']:g} cannot offload a GGUF "
+        r"checkpoint: .* Leave --cpu-offload-gb out")):
+        _engine_config(monkeypatch, model, config_dir, **offload)
+
+
+@pytest.mark.parametrize("offload", [
+    {},
+    {"cpu_offload_gb": 0},
+    # the prefetch offloader chooses layers, not bytes (not run on a GPU
+    # with a GGUF); cpu_offload_gb is unused beside it
+    {"offload_group_size": 4, "offload_num_in_group": 1},
+    {"offload_group_size": 4, "offload_num_in_group": 1, "cpu_offload_gb": 4},
+], ids=["none", "zero", "prefetch", "prefetch-and-gb"])
+def test_a_gguf_without_uva_offload_gets_its_config(
+    monkeypatch, checkpoints, gguf_files, offload
+):
+    config_dir = str(checkpoints["glm"].path)
+    model = str(gguf_files[("glm", "q8_0")])
+    config = _engine_config(monkeypatch, model, config_dir, **offload)
+    assert config.model_config.quantization == "gguf"
+    assert config.device_config.device == torch.device("cpu")
+
+
+def test_a_float_checkpoint_keeps_cpu_offload(monkeypatch, checkpoints):
+    config_dir = str(checkpoints["glm"].path)
+    config = _engine_config(monkeypatch, config_dir, config_dir, cpu_offload_gb=4)
+    assert config.model_config.quantization is None
+    assert config.offload_config.uva.cpu_offload_gb == 4
+
+
+def _gguf_kernels_on(monkeypatch, capability: int) -> None:
+    """vLLM's GGUF quantization sees a GPU of this capability (major * 10 +
+    minor); its dtypes depend on it (bfloat16 refused from 10.0)."""
+    import vllm.model_executor.layers.quantization.gguf as gguf_quant
+
+    monkeypatch.setattr(gguf_quant, "current_platform", types.SimpleNamespace(
+        has_device_capability=lambda c: c <= capability))
+
+
+@pytest.mark.parametrize("capability", [100, 120])
+def test_auto_dtype_of_a_gguf_on_blackwell_is_float16(
+    monkeypatch, checkpoints, gguf_files, capability
+):
+    _gguf_kernels_on(monkeypatch, capability)
+    config_dir = str(checkpoints["glm"].path)
+    model = str(gguf_files[("glm", "q8_0")])
+    config = _engine_config(monkeypatch, model, config_dir)
+    assert config.model_config.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype, wanted", [
+    ("float16", torch.float16),
+    ("float32", torch.float32),
+    ("bfloat16", None),  # asked for: refused as before
+])
+def test_a_dtype_asked_for_is_kept_on_blackwell(
+    monkeypatch, checkpoints, gguf_files, dtype, wanted
+):
+    _gguf_kernels_on(monkeypatch, 120)
+    config_dir = str(checkpoints["glm"].path)
+    model = str(gguf_files[("glm", "q8_0")])
+    if wanted is None:
+        with pytest.raises(ValueError, match="bfloat16 is not supported for "
+                                             "quantization method gguf"):
+            _engine_config(monkeypatch, model, config_dir, dtype=dtype)
+        return
+    config = _engine_config(monkeypatch, model, config_dir, dtype=dtype)
+    assert config.model_config.dtype == wanted
+
+
+def test_auto_dtype_elsewhere_stays_the_configs(monkeypatch, checkpoints, gguf_files):
+    _gguf_kernels_on(monkeypatch, 90)
+    config_dir = str(checkpoints["glm"].path)
+    model = str(gguf_files[("glm", "q8_0")])
+    config = _engine_config(monkeypatch, model, config_dir)
+    assert config.model_config.dtype == torch.bfloat16
+
+
+def test_auto_dtype_of_a_float_checkpoint_on_blackwell_stays(monkeypatch, checkpoints):
+    _gguf_kernels_on(monkeypatch, 120)
+    config_dir = str(checkpoints["glm"].path)
+    config = _engine_config(monkeypatch, config_dir, config_dir)
+    assert config.model_config.dtype == torch.bfloat16
