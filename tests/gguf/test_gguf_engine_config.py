@@ -2,24 +2,34 @@
 (patch 0038: vLLM's UVA offloader picks the weights to offload while the
 model is built, before a GGUF weight exists, so it would offload none of
 the quantized weights); --dtype auto takes float16 where vLLM's GGUF
-kernels refuse the config's bfloat16 (patch 0039: Blackwell)."""
+kernels refuse the config's bfloat16 (patch 0039: Blackwell); a DSA GGUF's
+tokenizer is its --hf-config-path's unless --tokenizer says otherwise
+(patch 0040: transformers cannot read these files' tokenizer)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+_CONFIG_DIR = object()
 
-def _engine_config(monkeypatch, model: str, config_dir: str, **args):
+
+def _engine_config(monkeypatch, model: str, config_dir: str, tokenizer=_CONFIG_DIR,
+                   **args):
     import vllm.engine.arg_utils as arg_utils
     from vllm.config import DeviceConfig
     from vllm.engine.arg_utils import EngineArgs
 
     # No accelerator on CPU test machines; the device plays no part here.
     monkeypatch.setattr(arg_utils, "DeviceConfig", lambda device: DeviceConfig("cpu"))
-    engine_args = EngineArgs(model=model, hf_config_path=config_dir, tokenizer=config_dir,
+    if tokenizer is _CONFIG_DIR:
+        tokenizer = config_dir
+    engine_args = EngineArgs(model=model, hf_config_path=config_dir, tokenizer=tokenizer,
                              **args)
     return engine_args.create_engine_config()
 
@@ -118,3 +128,49 @@ def test_auto_dtype_of_a_float_checkpoint_on_blackwell_stays(monkeypatch, checkp
     config_dir = str(checkpoints["glm"].path)
     config = _engine_config(monkeypatch, config_dir, config_dir)
     assert config.model_config.dtype == torch.bfloat16
+
+
+def _with_tokenizer(checkpoint: Path, out: Path) -> str:
+    """A copy of the checkpoint's config with a word-level tokenizer, as the
+    original model's repository has its config and tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out.mkdir()
+    shutil.copy(checkpoint / "config.json", out)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "the": 1, "tokenizer": 2},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}))
+    return str(out)
+
+
+@pytest.mark.parametrize("name", ["glm", "glm52", "dsv32"])
+def test_a_dsa_gguf_takes_its_tokenizer_from_its_config_path(
+    monkeypatch, checkpoints, gguf_files, tmp_path, name
+):
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    config_dir = _with_tokenizer(checkpoints[name].path, tmp_path / name)
+    config = _engine_config(monkeypatch, str(gguf_files[(name, "f16")]), config_dir,
+                            tokenizer=None)
+    assert config.model_config.tokenizer == config_dir
+    tokenizer = cached_tokenizer_from_config(config.model_config)
+    assert tokenizer.encode("the tokenizer", add_special_tokens=False) == [1, 2]
+
+
+def test_a_tokenizer_asked_for_is_kept(monkeypatch, checkpoints, gguf_files):
+    other = str(checkpoints["dsv32"].path)
+    config = _engine_config(monkeypatch, str(gguf_files[("glm", "f16")]),
+                            str(checkpoints["glm"].path), tokenizer=other)
+    assert config.model_config.tokenizer == other
+
+
+def test_a_gguf_of_another_architecture_keeps_its_own_tokenizer(
+    monkeypatch, checkpoints, gguf_files
+):
+    model = str(gguf_files[("dsv3", "f16")])  # DeepSeek-V3: deepseek2, no DSA
+    config = _engine_config(monkeypatch, model, str(checkpoints["dsv3"].path),
+                            tokenizer=None)
+    assert config.model_config.tokenizer == model
