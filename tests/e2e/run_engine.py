@@ -106,13 +106,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     forced = case.get("forced")
-    llm_args = dict(case["llm"])
+    llm_args = {"tokenizer": case["hf"], **case["llm"]}
     if forced:
         # found by name in the engine's processes (this folder is on sys.path)
         llm_args["logits_processors"] = ["forced_tokens:ForcedTokens"]
     start = time.monotonic()
-    llm = LLM(model=case["gguf"], hf_config_path=case["hf"], tokenizer=case["hf"],
-              seed=0, **llm_args)
+    llm = LLM(model=case["gguf"], hf_config_path=case["hf"], seed=0, **llm_args)
     started = time.monotonic() - start
     full = case.get("full_logprobs")
     asked = case.get("prompt_logprobs", True)

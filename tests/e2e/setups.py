@@ -58,12 +58,13 @@ PEER = EngineSetup("flashmla-bf16", {"dtype": "bfloat16", "attention_backend": "
 TRITON_FP16 = _triton("triton-fp16", "float16")
 TRITON_BF16 = _triton("triton-bf16", "bfloat16")
 # nothing forced, the device reported as SM 12.0 (0006's selection, the
-# Triton indexer, SM12x kernel tables); no --dtype: GGUF refuses bf16 on
-# Blackwell and 0039 takes fp16 for --dtype auto. Float experts (F16/BF16 files)
+# Triton indexer, SM12x kernel tables); no --dtype (GGUF refuses bf16 on
+# Blackwell: 0039 takes fp16 for --dtype auto) and no --tokenizer (0040 takes
+# the --hf-config-path's). Float experts (F16/BF16 files)
 # would go to FlashInfer's CUTLASS MoE, upstream's SM12x choice, which cannot
 # run here as on SM120: FlashInfer compiles it for this GPU at start (over
 # 10 min on 16 cores). vLLM's Triton MoE instead.
-AUTO_SM120 = EngineSetup("auto-sm120", {},
+AUTO_SM120 = EngineSetup("auto-sm120", {"tokenizer": None},
                          env={"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0"})
 # the same as triton-fp16 without CUDA graphs (--enforce-eager): tells a
 # graph-capture defect from a kernel one where decode differs
