@@ -174,3 +174,16 @@ def test_a_gguf_of_another_architecture_keeps_its_own_tokenizer(
     config = _engine_config(monkeypatch, model, str(checkpoints["dsv3"].path),
                             tokenizer=None)
     assert config.model_config.tokenizer == model
+
+
+def test_a_broken_gguf_s_tokenizer_is_left_to_the_loader(
+    monkeypatch, checkpoints, gguf_files, tmp_path
+):
+    """A file whose header does not parse keeps the model as its tokenizer
+    here; the loader then names the file and what is wrong with it."""
+    src = gguf_files[("glm", "f16")]
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(src.read_bytes()[:40])
+    config = _engine_config(monkeypatch, str(broken), str(checkpoints["glm"].path),
+                            tokenizer=None)
+    assert config.model_config.tokenizer == str(broken)
