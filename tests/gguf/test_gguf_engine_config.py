@@ -4,11 +4,13 @@ model is built, before a GGUF weight exists, so it would offload none of
 the quantized weights); --dtype auto takes float16 where vLLM's GGUF
 kernels refuse the config's bfloat16 (patch 0039: Blackwell); a DSA GGUF's
 tokenizer is its --hf-config-path's unless --tokenizer says otherwise
-(patch 0040: transformers cannot read these files' tokenizer)."""
+(patch 0040: transformers cannot read these files' tokenizer); a folder of
+GGUF files is refused naming the file to pass (patch 0041)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import types
 from pathlib import Path
@@ -187,3 +189,36 @@ def test_a_broken_gguf_s_tokenizer_is_left_to_the_loader(
     config = _engine_config(monkeypatch, str(broken), str(checkpoints["glm"].path),
                             tokenizer=None)
     assert config.model_config.tokenizer == str(broken)
+
+
+def _directory_of(first: Path, out: Path) -> Path:
+    """A folder holding one GGUF file, or every shard of a split set."""
+    out.mkdir()
+    stem = re.sub(r"-00001-of-\d{5}\.gguf$", "", first.name)
+    files = [first] if stem == first.name else sorted(first.parent.glob(f"{stem}-*.gguf"))
+    for f in files:
+        (out / f.name).symlink_to(f)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["q8_0", "f16-split"])
+def test_a_directory_of_gguf_files_names_the_file_to_pass(
+    monkeypatch, checkpoints, gguf_files, tmp_path, variant
+):
+    first = gguf_files[("glm", variant)]
+    folder = _directory_of(first, tmp_path / "model")
+    assert (len(list(folder.iterdir())) > 1) == variant.endswith("split")
+    with pytest.raises(ValueError, match=(
+        rf"{re.escape(str(folder))} is a directory of GGUF files: pass the file itself "
+        rf".*: {re.escape(str(folder / first.name))}$")):
+        _engine_config(monkeypatch, str(folder), str(checkpoints["glm"].path))
+
+
+def test_a_checkpoint_directory_with_a_gguf_beside_is_a_checkpoint(
+    monkeypatch, checkpoints, gguf_files, tmp_path
+):
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints["glm"].path, folder)
+    (folder / "extra.gguf").symlink_to(gguf_files[("glm", "q8_0")])
+    config = _engine_config(monkeypatch, str(folder), str(folder))
+    assert config.model_config.quantization is None
