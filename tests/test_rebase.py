@@ -471,11 +471,12 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     # The lm_head's float weight kept from load: goes with the loader.
     "0037": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The GGUF engine config's refusals and defaults (offload, dtype,
-    # tokenizer, a folder of files): go with the loader.
+    # tokenizer, a folder of files, expert parallelism): go with the loader.
     "0038": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0039": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0040": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0041": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0042": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -5,7 +5,8 @@ the quantized weights); --dtype auto takes float16 where vLLM's GGUF
 kernels refuse the config's bfloat16 (patch 0039: Blackwell); a DSA GGUF's
 tokenizer is its --hf-config-path's unless --tokenizer says otherwise
 (patch 0040: transformers cannot read these files' tokenizer); a folder of
-GGUF files is refused naming the file to pass (patch 0041)."""
+GGUF files is refused naming the file to pass (patch 0041); so is expert
+parallelism (patch 0042: the GGUF MoE layers cannot divide their experts)."""
 
 from __future__ import annotations
 
@@ -222,3 +223,18 @@ def test_a_checkpoint_directory_with_a_gguf_beside_is_a_checkpoint(
     (folder / "extra.gguf").symlink_to(gguf_files[("glm", "q8_0")])
     config = _engine_config(monkeypatch, str(folder), str(folder))
     assert config.model_config.quantization is None
+
+
+def test_expert_parallel_of_a_gguf_is_refused(monkeypatch, checkpoints, gguf_files):
+    with pytest.raises(ValueError, match=(
+        r"--enable-expert-parallel cannot split a GGUF checkpoint's routed experts: "
+        r".* Leave it out")):
+        _engine_config(monkeypatch, str(gguf_files[("glm", "q8_0")]),
+                       str(checkpoints["glm"].path), enable_expert_parallel=True)
+
+
+def test_a_float_checkpoint_keeps_expert_parallel(monkeypatch, checkpoints):
+    config_dir = str(checkpoints["glm"].path)
+    config = _engine_config(monkeypatch, config_dir, config_dir,
+                            enable_expert_parallel=True)
+    assert config.parallel_config.enable_expert_parallel
