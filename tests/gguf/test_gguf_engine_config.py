@@ -192,26 +192,32 @@ def test_a_broken_gguf_s_tokenizer_is_left_to_the_loader(
     assert config.model_config.tokenizer == str(broken)
 
 
-def _directory_of(first: Path, out: Path) -> Path:
-    """A folder holding one GGUF file, or every shard of a split set."""
+def _directory_of(first: Path, out: Path, digits: int = 5) -> Path:
+    """A folder holding one GGUF file, or every shard of a split set, the
+    shards numbered with `digits` digits (the loader finds any width)."""
     out.mkdir()
     stem = re.sub(r"-00001-of-\d{5}\.gguf$", "", first.name)
     files = [first] if stem == first.name else sorted(first.parent.glob(f"{stem}-*.gguf"))
     for f in files:
-        (out / f.name).symlink_to(f)
+        name = re.sub(r"-0*(\d+)-of-0*(\d+)\.gguf$",
+                      lambda m: f"-{int(m[1]):0{digits}d}-of-{int(m[2]):0{digits}d}.gguf",
+                      f.name)
+        (out / name).symlink_to(f)
     return out
 
 
-@pytest.mark.parametrize("variant", ["q8_0", "f16-split"])
+@pytest.mark.parametrize("variant,digits", [("q8_0", 5), ("f16-split", 5),
+                                            ("f16-split", 2)])
 def test_a_directory_of_gguf_files_names_the_file_to_pass(
-    monkeypatch, checkpoints, gguf_files, tmp_path, variant
+    monkeypatch, checkpoints, gguf_files, tmp_path, variant, digits
 ):
     first = gguf_files[("glm", variant)]
-    folder = _directory_of(first, tmp_path / "model")
-    assert (len(list(folder.iterdir())) > 1) == variant.endswith("split")
+    folder = _directory_of(first, tmp_path / "model", digits)
+    names = sorted(p.name for p in folder.iterdir())
+    assert (len(names) > 1) == variant.endswith("split")
     with pytest.raises(ValueError, match=(
         rf"{re.escape(str(folder))} is a directory of GGUF files: pass the file itself "
-        rf".*: {re.escape(str(folder / first.name))}$")):
+        rf".*: {re.escape(str(folder / names[0]))}$")):
         _engine_config(monkeypatch, str(folder), str(checkpoints["glm"].path))
 
 
