@@ -343,13 +343,13 @@ def test_workload_matrix():
                          ("triton-fp16-fused", "fused")):
         assert wl.PATHS[name].args == ours.args
         assert dict(ours.env, VLLM_GGUF_KERNELS=choice) == wl.PATHS[name].env
-    marlin = wl.PATHS["triton-fp16-marlin-linears"]
-    assert marlin.args == ours.args and "triton-fp16-marlin-linears" not in full["paths"]
-    assert dict(ours.env, VLLM_GGUF_MARLIN_LINEARS="1") == marlin.env
-    auto, auto_marlin = wl.PATHS["auto-sm120"], wl.PATHS["auto-sm120-marlin-linears"]
-    assert (auto_marlin.args, auto_marlin.report_sm) == (auto.args, auto.report_sm)
-    assert dict(auto.env, VLLM_GGUF_MARLIN_LINEARS="1") == auto_marlin.env
-    assert "auto-sm120-marlin-linears" not in full["paths"]
+    no_marlin = wl.PATHS["triton-fp16-no-marlin-linears"]
+    assert no_marlin.args == ours.args and "triton-fp16-no-marlin-linears" not in full["paths"]
+    assert dict(ours.env, VLLM_GGUF_MARLIN_LINEARS="0") == no_marlin.env
+    auto, auto_no_marlin = wl.PATHS["auto-sm120"], wl.PATHS["auto-sm120-no-marlin-linears"]
+    assert (auto_no_marlin.args, auto_no_marlin.report_sm) == (auto.args, auto.report_sm)
+    assert dict(auto.env, VLLM_GGUF_MARLIN_LINEARS="0") == auto_no_marlin.env
+    assert "auto-sm120-no-marlin-linears" not in full["paths"]
     lm_head = wl.PATHS["triton-fp16-lm-head-gguf"]
     assert lm_head.args == ours.args and "triton-fp16-lm-head-gguf" not in full["paths"]
     assert dict(ours.env, VLLM_GGUF_LM_HEAD_FLOAT="0") == lm_head.env
@@ -691,14 +691,14 @@ def test_rounds_interleave_the_paths(tmp_path, monkeypatch):
     args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
                               quick=False, budget_s=float("inf"), models=str(models), rounds=2)
     plan = wl.plan(False, [("glm5-tp8", "q4_k_m")],
-                   ["triton-fp16-marlin-linears", "triton-fp16", "llama.cpp"], ["single-4k"])
+                   ["triton-fp16-no-marlin-linears", "triton-fp16", "llama.cpp"], ["single-4k"])
     runner = run.Runner(args, plan)
     started = []
     monkeypatch.setattr(runner, "vllm", lambda path, *a: started.append((path, a[-1])))
     monkeypatch.setattr(runner, "llama", lambda *a: started.append(("llama.cpp", None)))
     assert runner.run() == 0
-    assert started == [("triton-fp16-marlin-linears", 1), ("triton-fp16", 1),
-                       ("llama.cpp", None), ("triton-fp16-marlin-linears", 2),
+    assert started == [("triton-fp16-no-marlin-linears", 1), ("triton-fp16", 1),
+                       ("llama.cpp", None), ("triton-fp16-no-marlin-linears", 2),
                        ("triton-fp16", 2)]
     assert runner.data.env["rounds"] == 2
     # one round: no round anywhere, as before

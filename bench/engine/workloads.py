@@ -81,14 +81,15 @@ PATHS = {
         VllmPath("auto-sm120", "the series' automatic choice, device reported as SM 12.0, fp16",
                  ("--dtype", "float16"),
                  {"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0"}, "12.0"),
-        # what SM120 would run with 0036: there the batches it takes are MMQ's
-        # (the float path's thresholds hold on SM90 only)
-        VllmPath("auto-sm120-marlin-linears", "the series' automatic choice, device reported "
-                 "as SM 12.0, fp16, with Q4_K/Q4_0/Q8_0 linear layers on vLLM's dense Marlin "
-                 "GEMM at decode batch sizes (VLLM_GGUF_MARLIN_LINEARS=1, experimental)",
+        # what SM120 runs without 0036's Marlin copy: ggml's MMQ for the
+        # linears' batches below 32 tokens (the float path's thresholds hold
+        # on SM90 only)
+        VllmPath("auto-sm120-no-marlin-linears", "the series' automatic choice, device "
+                 "reported as SM 12.0, fp16, without the dense Marlin copy of Q4_K/Q4_0/Q8_0 "
+                 "linear layers (VLLM_GGUF_MARLIN_LINEARS=0: ggml's MMQ below 32 tokens)",
                  ("--dtype", "float16"),
                  {"E2E_REPORT_SM": "12.0", "VLLM_USE_FLASHINFER_MOE_FP16": "0",
-                  "VLLM_GGUF_MARLIN_LINEARS": "1"}, "12.0"),
+                  "VLLM_GGUF_MARLIN_LINEARS": "0"}, "12.0"),
         VllmPath("triton-fp16-ggml", "the series' path with vLLM 0.23's choice of GGUF kernels "
                  "(VLLM_GGUF_KERNELS=upstream: ggml's kernels at every batch size)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
@@ -101,11 +102,11 @@ PATHS = {
                  "prefill-size batches (VLLM_GGUF_KERNELS=fused, experimental)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "fused"}),
-        VllmPath("triton-fp16-marlin-linears", "the series' path with Q4_K/Q4_0/Q8_0 "
-                 "linear layers on vLLM's dense Marlin GEMM at decode batch sizes "
-                 "(VLLM_GGUF_MARLIN_LINEARS=1, experimental)",
+        VllmPath("triton-fp16-no-marlin-linears", "the series' path without the dense "
+                 "Marlin copy of Q4_K/Q4_0/Q8_0 linear layers (VLLM_GGUF_MARLIN_LINEARS=0: "
+                 "gguf.py's choice of kernels at every batch size)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
-                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_MARLIN_LINEARS": "1"}),
+                 {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_MARLIN_LINEARS": "0"}),
         VllmPath("triton-fp16-lm-head-gguf", "the series' path with a quantized lm_head "
                  "on its GGUF blocks only (VLLM_GGUF_LM_HEAD_FLOAT=0: no float weight kept)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),

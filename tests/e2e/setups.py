@@ -79,13 +79,13 @@ TRITON_FP16_MTP = _triton("triton-fp16-mtp", "float16", held_to=TRITON_FP16.name
                           speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                           disable_log_stats=False)  # the acceptance counters
 
-# triton-fp16 with the linears of Q4_K, Q4_0 and Q8_0 also on vLLM's dense
-# Marlin GEMM at decode batch sizes (VLLM_GGUF_MARLIN_LINEARS, 0036,
-# experimental): the test models' decode batches of 7 to 31 sequences
-TRITON_FP16_MARLIN_LINEARS = EngineSetup(
-    "triton-fp16-marlin-linears", TRITON_FP16.llm_args,
-    env={**TRITON_FP16.env, "VLLM_GGUF_MARLIN_LINEARS": "1"})
+# triton-fp16 without the dense Marlin copy of the linears of Q4_K, Q4_0 and
+# Q8_0 (VLLM_GGUF_MARLIN_LINEARS=0, 0036): the test models' decode batches
+# of 7 to 31 sequences on gguf.py's choice of kernels
+TRITON_FP16_NO_MARLIN_LINEARS = EngineSetup(
+    "triton-fp16-no-marlin-linears", TRITON_FP16.llm_args,
+    env={**TRITON_FP16.env, "VLLM_GGUF_MARLIN_LINEARS": "0"})
 
 SETUPS: dict[str, EngineSetup] = {s.name: s for s in (
     PEER, TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER, TRITON_FP16_TP2,
-    TRITON_FP16_MTP, TRITON_FP16_MARLIN_LINEARS)}
+    TRITON_FP16_MTP, TRITON_FP16_NO_MARLIN_LINEARS)}

@@ -9,9 +9,9 @@ float path captured only after it ran outside a graph).
 
 On GLM-5, GLM-5.2 and DeepSeek-V3.2 Q4_K_M, batch() prompts of one length
 decode together (on GLM-5 and GLM-5.2 also small_batch(): 8, where only a
-TP rank's small linears take the float path, 0032, and where
-VLLM_GGUF_MARLIN_LINEARS runs the linears of Q4_K and Q8_0 on Marlin,
-0036, judged too): the greedy run, then
+TP rank's small linears take the float path, 0032, where the linears of
+Q4_K and Q8_0 run vLLM's dense Marlin GEMM by default, 0036, and without
+it, VLLM_GGUF_MARLIN_LINEARS=0, judged too): the greedy run, then
 the greedy text of transformers fp32 on the file's weights forced
 (forced_tokens.py), so every path's decode steps are on one text, batch()
 sequences a step, a size vLLM captured.
@@ -37,7 +37,7 @@ from judging import _decode, decode_bar, file_digest, routed_alternatives
 from models import FIRST_TEXT_TOKEN, VOCAB
 from oracles import greedy, transformers_model
 from run_engine import launch
-from setups import PEER, TRITON_FP16, TRITON_FP16_MARLIN_LINEARS
+from setups import PEER, TRITON_FP16, TRITON_FP16_NO_MARLIN_LINEARS
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ SMALL_FILES = FILES[:2]  # GLM-5.2's shared layers too (0034)
 PROMPT = 160  # past the test models' index_topk (128): the selection is active
 GENERATED = 12
 PATHS = {"peer": PEER, "fp16": TRITON_FP16}
-SMALL_PATHS = {**PATHS, "fp16-marlin-linears": TRITON_FP16_MARLIN_LINEARS}
+SMALL_PATHS = {**PATHS, "fp16-no-marlin-linears": TRITON_FP16_NO_MARLIN_LINEARS}
 
 
 def batch() -> int:

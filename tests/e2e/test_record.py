@@ -53,8 +53,8 @@ def test_decode_batch_rows_get_their_own_table():
     # rows written before the setup was recorded are triton-fp16's
     assert ("| glm5 | q4_k_m | 40 | triton-fp16 | 480 | 0.0034 / 0.0099 / 0.0544 | "
             "0.0411 / 0.0099 / 0.0544 | NO |") in tail
-    marlin = render([{**row, "decode_batch": 8, "setup": "triton-fp16-marlin-linears"}])
-    assert "| glm5 | q4_k_m | 8 | triton-fp16-marlin-linears | 480 |" in marlin
+    marlin = render([{**row, "decode_batch": 8, "setup": "triton-fp16-no-marlin-linears"}])
+    assert "| glm5 | q4_k_m | 8 | triton-fp16-no-marlin-linears | 480 |" in marlin
     assert render([row]).count("## Decode batches") == 1
     # a row judged after the run says so in its own line
     later = render([row, {**row, "model": "glm52", "judged": "on CPU"}])

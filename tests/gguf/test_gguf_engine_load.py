@@ -113,10 +113,10 @@ def test_the_lm_head_keeps_its_float_weight(checkpoints, gguf_files, load_model)
     assert not hasattr(model.model.embed_tokens, "gguf_float_weight")
 
 
-def test_marlin_linears_are_added_at_load_where_asked(
+def test_marlin_linears_are_added_at_load(
     checkpoints, gguf_files, load_model, monkeypatch
 ):
-    """VLLM_GGUF_MARLIN_LINEARS=1 (0036): the real loader gives every Q8_0
+    """VLLM_GGUF_MARLIN_LINEARS (0036, on by default): the real loader gives every Q8_0
     linear of the file a Marlin copy beside its GGUF blocks (the fused
     q_a + kv_a as one weight, the lm_head too, rows padded to 64 where
     short), the token embedding none; the lm_head's product at a decode

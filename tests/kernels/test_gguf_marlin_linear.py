@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """GGUF linear layers on vLLM's dense Marlin GEMM (gguf_marlin_linear.py,
-VLLM_GGUF_MARLIN_LINEARS=1).
+VLLM_GGUF_MARLIN_LINEARS, on by default).
 
 CPU: a GGUFLinearMethod layer (one weight, a fused q_a + kv_a, rows not a
 multiple of 64, an lm_head) processed after loading as the loader does,
@@ -196,11 +196,14 @@ def test_which_layers_repack(shards, dtype, env, want, monkeypatch):
     assert hasattr(layer, "gguf_marlin_qweight") is want
 
 
-def test_off_by_default_and_off_the_gpu(monkeypatch):
+def test_on_by_default_and_off_the_gpu(monkeypatch):
     mod = _module()
     monkeypatch.delenv("VLLM_GGUF_MARLIN_LINEARS", raising=False)
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
-    assert not mod.enabled()
+    assert mod.enabled()
+    for off in ("0", "false", "False"):
+        monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", off)
+        assert not mod.enabled()
     monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
     assert mod.enabled()
     if not torch.cuda.is_available():

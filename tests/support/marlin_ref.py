@@ -84,7 +84,8 @@ class MarlinGemm:
 
 def install_for_linears(monkeypatch, mod) -> MarlinGemm:
     """gguf_marlin_linear (``mod``) on these ops, as on a CUDA GPU with its
-    tensors on the CPU, VLLM_GGUF_MARLIN_LINEARS=1; returns the GEMM."""
+    tensors on the CPU, VLLM_GGUF_MARLIN_LINEARS at its default (on);
+    returns the GEMM."""
     from vllm.model_executor.layers.quantization.utils import marlin_utils
 
     gemm = MarlinGemm()
@@ -101,6 +102,6 @@ def install_for_linears(monkeypatch, mod) -> MarlinGemm:
     platform = types.SimpleNamespace(is_cuda=lambda: True,
                                      has_device_capability=lambda capability: True)
     monkeypatch.setattr(mod, "current_platform", platform)
-    monkeypatch.setenv("VLLM_GGUF_MARLIN_LINEARS", "1")
+    monkeypatch.delenv("VLLM_GGUF_MARLIN_LINEARS", raising=False)
     monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
     return gemm
