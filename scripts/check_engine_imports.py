@@ -23,16 +23,28 @@ MODULES = (
     "vllm.model_executor.layers.quantization.gguf_split_moe",
     "vllm.v1.attention.ops.dsa_indexer_k_cache",
 )
+# The sampler's CUDA path imports FlashInfer while the engine starts, before
+# it asks whether the card can use it, unless VLLM_USE_FLASHINFER_SAMPLER=0
+# (vllm/v1/sample/ops/topk_topp_sampler.py).
+SAMPLER_MODULE = "vllm.v1.attention.backends.flashinfer"
 
 
 def check() -> list[str]:
     """One line per failure: the module asked for and the error."""
+    from vllm import envs
+
     failures = []
     for name in MODULES:
         try:
             importlib.import_module(name)
         except Exception as e:  # an ImportError, or whatever a module raises at import
             failures.append(f"{name}: {type(e).__name__}: {e}")
+    if envs.VLLM_USE_FLASHINFER_SAMPLER:
+        try:
+            importlib.import_module(SAMPLER_MODULE)
+        except Exception as e:
+            failures.append(f"{SAMPLER_MODULE} (the sampler; VLLM_USE_FLASHINFER_SAMPLER=0 "
+                            f"leaves it out): {type(e).__name__}: {e}")
     if not failures:
         from vllm.model_executor.layers import quantization
 
