@@ -214,6 +214,20 @@ def test_on_by_default_and_off_the_gpu(monkeypatch):
     assert not hasattr(gguf_layer([("Q4_K", raw)]), "gguf_marlin_qweight")
 
 
+def test_an_offloaded_model_gets_no_marlin_copy(monkeypatch):
+    """Under vLLM's prefetch offloader (--offload-group-size) a Marlin copy
+    made while a layer is on the GPU for loading would stay there: with an
+    offloader other than the no-op one, no weight counts as on the GPU."""
+    from vllm.model_executor.offloader import base as offloader_base
+
+    mod = _module()
+    on_gpu = types.SimpleNamespace(is_cuda=True)
+    assert mod._on_gpu(on_gpu)
+    assert not mod._on_gpu(types.SimpleNamespace(is_cuda=False))
+    monkeypatch.setattr(offloader_base, "_instance", object())
+    assert not mod._on_gpu(on_gpu)
+
+
 @pytest.mark.parametrize("qtype,rows", [("Q4_K", 200), ("Q8_0", 130), ("Q4_0", 64)])
 def test_a_repack_in_row_chunks_is_the_repack_in_one(qtype, rows, monkeypatch):
     mod = _module()
