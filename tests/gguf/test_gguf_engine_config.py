@@ -179,6 +179,23 @@ def test_a_gguf_of_another_architecture_keeps_its_own_tokenizer(
     assert config.model_config.tokenizer == model
 
 
+@pytest.mark.parametrize("name,dsa", [("glm", True), ("dsv32", True), ("dsv3", False)])
+def test_a_remote_gguf_takes_its_tokenizer_by_its_configs_model_type(
+    checkpoints, tmp_path, name, dsa
+):
+    """A remote GGUF (repo:type) is downloaded after the engine config, its
+    tokenizer with it: the config it is given says whether it is a DSA
+    model, as a local file's header does."""
+    from vllm.transformers_utils.gguf_utils import gguf_default_tokenizer
+
+    remote = "someone/GLM-5-GGUF:Q4_K_M"
+    config_dir = str(checkpoints[name].path)
+    assert gguf_default_tokenizer(remote, config_dir) == (config_dir if dsa else remote)
+    assert gguf_default_tokenizer(remote, None) == remote
+    # a config that cannot be read is left to vLLM's own config load
+    assert gguf_default_tokenizer(remote, str(tmp_path / "missing")) == remote
+
+
 def test_a_broken_gguf_s_tokenizer_is_left_to_the_loader(
     monkeypatch, checkpoints, gguf_files, tmp_path
 ):
