@@ -33,18 +33,16 @@ def check() -> list[str]:
     """One line per failure: the module asked for and the error."""
     from vllm import envs
 
+    wanted = [(name, "") for name in MODULES]
+    if envs.VLLM_USE_FLASHINFER_SAMPLER:
+        wanted.append((SAMPLER_MODULE,
+                       " (the sampler; VLLM_USE_FLASHINFER_SAMPLER=0 leaves it out)"))
     failures = []
-    for name in MODULES:
+    for name, why in wanted:
         try:
             importlib.import_module(name)
         except Exception as e:  # an ImportError, or whatever a module raises at import
-            failures.append(f"{name}: {type(e).__name__}: {e}")
-    if envs.VLLM_USE_FLASHINFER_SAMPLER:
-        try:
-            importlib.import_module(SAMPLER_MODULE)
-        except Exception as e:
-            failures.append(f"{SAMPLER_MODULE} (the sampler; VLLM_USE_FLASHINFER_SAMPLER=0 "
-                            f"leaves it out): {type(e).__name__}: {e}")
+            failures.append(f"{name}{why}: {type(e).__name__}: {e}")
     if not failures:
         from vllm.model_executor.layers import quantization
 
