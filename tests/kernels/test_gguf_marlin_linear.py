@@ -11,11 +11,14 @@ others keep gguf.py's kernels (an lm_head's float weight, 0037's, from
 MAX_TOKENS + 1); the Marlin operands are what marlin_gemm reads:
 ops.gptq_marlin_repack and ops.marlin_gemm stand in on the CPU through
 vLLM's Python reference of the layout (support/marlin_ref.py).
-Which layers repack (types, dtype, the switches, token embeddings, fused
-shards of two types), and a repack in row chunks equal to one in a piece.
+Q4_K inputs whose 32-value groups sum past 8,192 stay finite in fp16 (the
+min-term columns). Which layers repack (types, dtype, the switches, token
+embeddings, fused shards of two types), and a repack in row chunks equal
+to one in a piece.
 GPU (`-m gpu`): the real kernels through the layer's apply, fp16 and bf16,
-1-40 tokens, against fp64 of the same blocks; a batch captured in a CUDA
-graph right after loading, replayed on new inputs.
+1-40 tokens, against fp64 of the same blocks, and fp16 group sums past
+8,192; a batch captured in a CUDA graph right after loading, replayed on
+new inputs.
 """
 
 from __future__ import annotations
@@ -115,6 +118,27 @@ def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
             assert not marlin.calls, tokens
             want = "vector" if tokens <= vector else "float"
             assert kernels.ran == [(want, tokens)], tokens
+
+
+def _large_group_sums(tokens, cols, g):
+    """Inputs whose 32-value groups sum past 8,192 (and to -64,000 in one,
+    near fp16's largest value), as a massive activation may."""
+    x = torch.randn(tokens, cols, generator=g) * 0.5
+    x[:, 32:64] += 400.0
+    x[:, 256:288] -= 2000.0
+    return x
+
+
+def test_q4_k_group_sums_past_8192_stay_finite(monkeypatch):
+    mod = _module()
+    marlin = install_for_linears(monkeypatch, mod)
+    g = torch.Generator().manual_seed(9)
+    raw, values = random_blocks("Q4_K", (200, HIDDEN), g)
+    layer = gguf_layer([("Q4_K", raw)])
+    x = _large_group_sums(8, HIDDEN, g).half()
+    out = layer.quant_method.apply(layer, x)
+    assert marlin.calls == [8]
+    assert _relative_error(out, x.double() @ values.T) < 2e-3
 
 
 def test_an_lm_head_repacks_its_token_embedding_does_not(monkeypatch):
@@ -302,6 +326,21 @@ def test_marlin_linear_matches_fp64(qtype, rows, cols, dtype, monkeypatch):
         # Marlin: fp16 scales and sums; ggml's kernels round x to 8 bits
         bar = (4e-3 if dtype == torch.float16 else 3e-2) if on_marlin else 3e-2
         assert err < bar, (tokens, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [8, 31])
+def test_marlin_linear_q4_k_group_sums_past_8192(tokens, monkeypatch):
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_MARLIN_LINEARS", raising=False)
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(tokens)
+    raw, values = random_blocks("Q4_K", (2048, 6144), g)
+    layer = gguf_layer([("Q4_K", raw)], device="cuda")
+    assert mod.use_marlin(tokens, int(QType.Q4_K), 2048)
+    x = _large_group_sums(tokens, 6144, g).half()
+    out = layer.quant_method.apply(layer, x.cuda())
+    assert _relative_error(out.cpu(), x.double() @ values.T) < 4e-3
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@
 
 CPU: the integer weights and group scales of each type, with the
 activations as the Marlin weight reads them (Q4_K's min-term columns, from
-the Triton kernel in the interpreter), give x @ W.T of gguf-py's values;
+the Triton kernel in the interpreter), give x @ W.T of gguf-py's values,
+for Q4_K also where a group's inputs sum past 8,192 in fp16;
 the input kernel writes every column (poisoned output); which layers run
 Marlin (types, shapes, dtype, VLLM_GGUF_KERNELS); down experts left in
 GGUF blocks take ggml's kernels by batch size (CPU stand-ins of the ops);
@@ -60,6 +61,28 @@ def test_operand_and_input_give_the_gguf_product(type_name, k):
     assert err < (1e-3 if type_name == "Q4_K" else 1e-12), err
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_q4_k_min_term_holds_group_sums_past_8192(dtype):
+    # Q4_K's min-term columns hold each group's input sum; in fp16 none of
+    # them may overflow before the sum itself does (65,504, as ggml's q8_1
+    # blocks hold it): a group of 32 inputs near 400 sums to ~12,800
+    gm = _module()
+    g = torch.Generator().manual_seed(5)
+    raw, values = random_blocks("Q4_K", (64, 512), g)
+    q, scales = gm.marlin_operand(raw, QType.Q4_K, 512, dtype)
+    kp = gm.marlin_k(QType.Q4_K, 512)
+    w = q.double() * scales.t().double().repeat_interleave(32, 1)
+    x = torch.randn(3, 512, generator=g) * 0.5
+    x[:, 32:64] += 400.0
+    x[:, 300:332] -= 2000.0  # -64,000: fp16's largest group sum, nearly
+    x = x.to(dtype)
+    xa = gm.marlin_input(x, QType.Q4_K, kp)
+    assert torch.isfinite(xa).all()
+    got, want = xa.double() @ w.t(), x.double() @ values.t()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-3 if dtype == torch.float16 else 1e-2), err
+
+
 def test_q4_k_decoder_gives_gguf_values():
     gm = _module()
     raw, values = random_blocks("Q4_K", (16, 512), torch.Generator().manual_seed(3))
@@ -85,8 +108,8 @@ def test_q4_k_input_kernel_writes_every_column(k):
     xs = x.view(3, n_super, 256)
     body[..., :256] = xs
     sums = xs.view(3, n_super, 8, 32).float().sum(-1)
-    body[..., 256:264] = (-sums).half()
-    body[..., 264:272] = (-8 * sums).half()
+    body[..., 256:264] = (-sums / 8).half()
+    body[..., 264:272] = (-sums).half()
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
 
@@ -107,7 +130,8 @@ def _operand_values(gm, raw, qtype, k):
     body = q[:, : nsb * 288].view(n, nsb, 288).double()
     groups = s[:, : nsb * 9].view(n, nsb, 9)
     values = body[..., :256].view(n, nsb, 8, 32) * groups[..., :8, None]
-    mins = groups[..., 8, None] * (body[..., 256:264] + 8 * body[..., 264:272])
+    # the min-term group's scale is 8 * dmin: m & 7 reads -X / 8, m >> 3 reads -X
+    mins = groups[..., 8, None] * (body[..., 256:264] / 8 + body[..., 264:272])
     return (values - mins[..., None]).reshape(n, k)
 
 
