@@ -30,7 +30,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from support.gguf_layers import gguf_layer
-from support.gguf_moe_ref import random_blocks
+from support.gguf_moe_ref import large_group_sums, random_blocks
 from support.marlin_ref import install_for_linears
 
 HIDDEN = 512
@@ -120,22 +120,13 @@ def test_batches_between_the_vector_kernel_and_the_float_path_run_marlin(
             assert kernels.ran == [(want, tokens)], tokens
 
 
-def _large_group_sums(tokens, cols, g):
-    """Inputs whose 32-value groups sum past 8,192 (and to -64,000 in one,
-    near fp16's largest value), as a massive activation may."""
-    x = torch.randn(tokens, cols, generator=g) * 0.5
-    x[:, 32:64] += 400.0
-    x[:, 256:288] -= 2000.0
-    return x
-
-
 def test_q4_k_group_sums_past_8192_stay_finite(monkeypatch):
     mod = _module()
     marlin = install_for_linears(monkeypatch, mod)
     g = torch.Generator().manual_seed(9)
     raw, values = random_blocks("Q4_K", (200, HIDDEN), g)
     layer = gguf_layer([("Q4_K", raw)])
-    x = _large_group_sums(8, HIDDEN, g).half()
+    x = large_group_sums(8, HIDDEN, g).half()
     out = layer.quant_method.apply(layer, x)
     assert marlin.calls == [8]
     assert _relative_error(out, x.double() @ values.T) < 2e-3
@@ -338,7 +329,7 @@ def test_marlin_linear_q4_k_group_sums_past_8192(tokens, monkeypatch):
     raw, values = random_blocks("Q4_K", (2048, 6144), g)
     layer = gguf_layer([("Q4_K", raw)], device="cuda")
     assert mod.use_marlin(tokens, int(QType.Q4_K), 2048)
-    x = _large_group_sums(tokens, 6144, g).half()
+    x = large_group_sums(tokens, 6144, g).half()
     out = layer.quant_method.apply(layer, x.cuda())
     assert _relative_error(out.cpu(), x.double() @ values.T) < 4e-3
 

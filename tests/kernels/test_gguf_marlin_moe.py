@@ -27,7 +27,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from support.gguf_moe_ref import CpuGgufMoeOps, gguf_moe_layer, moe_reference, random_blocks
+from support.gguf_moe_ref import (
+    CpuGgufMoeOps,
+    gguf_moe_layer,
+    large_group_sums,
+    moe_reference,
+    random_blocks,
+)
 from support.marlin_ref import marlin_repack
 
 E, HIDDEN, INTER, TOP_K = 8, 512, 256, 3
@@ -65,17 +71,14 @@ def test_operand_and_input_give_the_gguf_product(type_name, k):
 def test_q4_k_min_term_holds_group_sums_past_8192(dtype):
     # Q4_K's min-term columns hold each group's input sum; in fp16 none of
     # them may overflow before the sum itself does (65,504, as ggml's q8_1
-    # blocks hold it): a group of 32 inputs near 400 sums to ~12,800
+    # blocks hold it)
     gm = _module()
     g = torch.Generator().manual_seed(5)
     raw, values = random_blocks("Q4_K", (64, 512), g)
     q, scales = gm.marlin_operand(raw, QType.Q4_K, 512, dtype)
     kp = gm.marlin_k(QType.Q4_K, 512)
     w = q.double() * scales.t().double().repeat_interleave(32, 1)
-    x = torch.randn(3, 512, generator=g) * 0.5
-    x[:, 32:64] += 400.0
-    x[:, 300:332] -= 2000.0  # -64,000: fp16's largest group sum, nearly
-    x = x.to(dtype)
+    x = large_group_sums(3, 512, g).to(dtype)
     xa = gm.marlin_input(x, QType.Q4_K, kp)
     assert torch.isfinite(xa).all()
     got, want = xa.double() @ w.t(), x.double() @ values.t()

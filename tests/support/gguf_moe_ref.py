@@ -69,6 +69,16 @@ def random_blocks(
     return raw.reshape(*lead, -1), values
 
 
+def large_group_sums(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """fp32 inputs [rows, cols] whose 32-value groups sum past 8,192 (12,800
+    in columns 32-63, -64,000, near fp16's largest value, in 256-287), as a
+    massive activation may: Q4_K's Marlin min-term columns hold such sums."""
+    x = torch.randn(rows, cols, generator=g) * 0.5
+    x[:, 32:64] += 400.0
+    x[:, 256:288] -= 2000.0
+    return x
+
+
 def moe_reference(
     x: torch.Tensor,
     gate: torch.Tensor,
