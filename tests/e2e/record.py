@@ -148,6 +148,11 @@ def render(rows: list[dict]) -> str:
         if "acceptance" in r:
             mtp = (f"acceptance {r['acceptance']}, greedy = no-spec: "
                    f"{'yes' if r.get('greedy_equal_to_no_spec') else 'NO'}")
+        if "unjudged" in r:  # its engine ran (E2E_JUDGE=later)
+            cells = [r["unjudged"], *([""] if split else []), "", mtp, "", r.get("start_s")]
+            lines.append(f"{case} {r['backend']}, {r['dtype']}, {r['indexer']} | "
+                         + " ".join(f"{c} |" if c else "|" for c in cells) + " not judged |")
+            continue
         lines.append(
             f"{case} {r['backend']}, {r['dtype']}, {r['indexer']} | "
             f"{_fig(r['vs_transformers'])} | "

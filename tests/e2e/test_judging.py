@@ -1,19 +1,21 @@
 """judging.py's rules on made-up numbers (CPU): what compare() reports
 for the prompt tokens, the greedy tokens and the decode steps, split by the
 indexer's top-k selection, and what check_bar lets through; judge_all()'s
-processes."""
+processes; what evaluate() checks of a run judged later (E2E_JUDGE=later)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
 import torch
 
+import judging
 from cases import MAX_TOKENS, prompts
-from judging import check_bar, compare, judge_all
-from setups import PEER
+from judging import check_bar, compare, evaluate, judge_all, judge_later, oracle_device
+from setups import PEER, SETUPS, TRITON_FP16, TRITON_FP16_MTP
 
 VOCAB = 512
 
@@ -303,3 +305,81 @@ def test_judge_all_judges_every_run_with_output_and_leaves_failed_files():
     assert runs[("glm5", "q2_k", "triton-fp16-tp2")] == {"skip": "needs 2 GPUs"}
     assert "vs_transformers" not in runs[("dsv32", "raise", PEER.name)]
     assert list(errors) == [("dsv32", "raise")] and "oracle failed" in errors[("dsv32", "raise")]
+
+
+def _oracle_device_standin(manifest, model, gguf_type, runs):
+    torch.cuda.is_available = lambda: True  # as on a GPU host (this worker process only)
+    return {path: {"device": oracle_device()} for path in runs}
+
+
+@pytest.mark.parametrize("given, device", [(None, "cpu"), ("cuda", "cuda")])
+def test_judge_all_runs_the_oracles_on_the_cpu(monkeypatch, given, device):
+    """judge_all()'s processes share the GPU badly: their transformers runs
+    on the CPU unless E2E_ORACLE_DEVICE says; a process of its own keeps the
+    GPU."""
+    monkeypatch.delenv("E2E_ORACLE_DEVICE", raising=False)
+    if given:
+        monkeypatch.setenv("E2E_ORACLE_DEVICE", given)
+    runs = {("glm5", "q4_k_m", PEER.name): {"prompts": []}}
+    assert judge_all(runs, {}, 1, judge_one=_oracle_device_standin) == {}
+    assert runs[("glm5", "q4_k_m", PEER.name)]["device"] == device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert oracle_device() == (given or "cuda")
+
+
+@pytest.mark.parametrize("variable, value", [("E2E_ORACLE_DEVICE", "gpu"),
+                                             ("E2E_JUDGE", "never")])
+def test_judging_variables_refuse_unknown_values(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}={value}: expected"):
+        oracle_device() if variable == "E2E_ORACLE_DEVICE" else judge_later()
+
+
+@pytest.fixture
+def later_run(tmp_path, monkeypatch):
+    """One file's engine results as test_engine.py has them, on a fake
+    model folder; judge() must not run."""
+    monkeypatch.setenv("E2E_MODELS", str(tmp_path))
+    (tmp_path / "glm5").mkdir()
+    (tmp_path / "glm5" / "glm5-f16.gguf").write_bytes(b"GGUF")
+    manifest = {"models": {"glm5": {"hf": "hf", "gguf": {"f16": "glm5-f16.gguf"},
+                                    "types": {"f16": ["F16", "F32"]}}}}
+
+    def judge(*args, **kwargs):
+        raise AssertionError("an oracle ran")
+
+    monkeypatch.setattr(judging, "judge", judge)
+
+    def result(setup, **over):
+        return {"prompts": [{"generated": [5, 6]}], "start_s": 30.0, "backend": setup.backend,
+                "dtype": setup.dtype, "indexer": setup.indexer, "cuda_graphs": True,
+                "spec": {}, **over}
+
+    runs = {("glm5", "f16", s.name): result(s) for s in (PEER, TRITON_FP16)}
+    return manifest, runs, result
+
+
+def test_a_run_judged_later_checks_what_the_engine_chose(later_run):
+    manifest, runs, result = later_run
+    row, failures = evaluate(runs, manifest, "glm5", "f16", TRITON_FP16.name, oracles=False)
+    assert failures == [] and "E2E_JUDGE=later" in row["unjudged"] and "passed" not in row
+    assert "vs_transformers" not in row and row["gguf_sha256"] and row["start_s"] == 30.0
+    json.dumps(row)  # a record line
+    runs[("glm5", "f16", TRITON_FP16.name)] = result(TRITON_FP16, backend="FLASHMLA_SPARSE",
+                                                     cuda_graphs=False)
+    row, failures = evaluate(runs, manifest, "glm5", "f16", TRITON_FP16.name, oracles=False)
+    assert row["passed"] is False and "unjudged" not in row
+    assert [f.split()[0] for f in failures] == ["chose", "CUDA"]
+
+
+def test_a_run_judged_later_checks_speculation(later_run):
+    manifest, runs, result = later_run
+    mtp = TRITON_FP16_MTP
+    spec = {"num_draft_tokens": 40, "num_accepted_tokens": 31}
+    runs[("glm5", "f16", mtp.name)] = result(SETUPS[mtp.name], spec=spec)
+    row, failures = evaluate(runs, manifest, "glm5", "f16", mtp.name, oracles=False)
+    assert failures == [] and row["acceptance"] == 0.775 and "unjudged" in row
+    runs[("glm5", "f16", mtp.name)] = result(SETUPS[mtp.name], spec=spec,
+                                             prompts=[{"generated": [5, 7]}])
+    _, failures = evaluate(runs, manifest, "glm5", "f16", mtp.name, oracles=False)
+    assert failures == ["greedy output differs from triton-fp16 without speculation"]

@@ -62,6 +62,25 @@ def test_decode_batch_rows_get_their_own_table():
     assert "| NO (judged after the run: on CPU) |" in later
 
 
+def test_rows_judged_later_render_as_not_judged():
+    """An E2E_JUDGE=later run's record: each case's engine, no figures."""
+    row = {"model": "glm5", "gguf_type": "f16", "path": "triton-fp16", "tp": 1,
+           "backend": "TRITON_MLA_SPARSE", "dtype": "float16", "indexer": "triton",
+           "start_s": 30.5, "unjudged": "E2E_JUDGE=later: judge with tests/e2e/rejudge.py"}
+    text = render([row])
+    assert ("| glm5 | f16 | triton-fp16 | 1 | TRITON_MLA_SPARSE, float16, triton | "
+            "E2E_JUDGE=later: judge with tests/e2e/rejudge.py | | | | 30.5 | not judged |") in text
+    # as many cells as the header, beside judged rows split by selection too
+    engine = [r for r in (json.loads(line) for line in RESULTS[0].read_text().splitlines()
+                          if line) if "path" in r]
+    mtp = {**row, "path": "triton-fp16-mtp", "acceptance": 0.775,
+           "greedy_equal_to_no_spec": True}
+    assert "| | acceptance 0.775, greedy = no-spec: yes | | 30.5 | not judged |" in render([mtp])
+    for judged in ([], engine[:2]):
+        table = [x for x in render([*judged, row, mtp]).splitlines() if x.startswith("|")]
+        assert len(table) == 4 + len(judged) and len({x.count("|") for x in table}) == 1
+
+
 def fake_manifest() -> dict:
     manifest: dict = {"models": {}}
     for model, gguf_type, _ in CASES:
