@@ -38,6 +38,14 @@ flips greedy tokens and the tests measure noise. Here every projection has
 unit gain (std 1/sqrt(fan_in)), the router's scores are spread out (few
 expert-choice ties), and the output head gives logits several nats apart.
 
+The published routed_scaling_factor (RECIPE 10): GLM-5 and DeepSeek-V3.2
+scale the routed experts' sum by 2.5, and vLLM handles it apart by dtype
+(in float16 it scales the shared expert, the attention output and the
+residual stream down instead, and the MTP block must follow); a factor of
+1, as before, let an engine drop or double it unseen. The routed experts'
+down projections carry 1 / routed_scaling_factor of their unit gain, so the
+models compute what RECIPE 9's did.
+
 A decisive top-k (RECIPE 9). In a random model the indexer's choice hardly
 matters: selected and unselected keys score alike and attention does not
 favour the selected ones, so a wrong selection moves the output little, and
@@ -172,7 +180,7 @@ CHAT_TOKENS = {"user": 2, "assistant": 3, "end": 4}
 FIRST_TEXT_TOKEN = 8
 
 # Bump when the recipe below changes, so cached models are rebuilt.
-RECIPE = 9
+RECIPE = 10
 
 
 _COMMON = dict(
@@ -195,7 +203,7 @@ _COMMON = dict(
     first_k_dense_replace=1,
     max_position_embeddings=2048,
     topk_method="noaux_tc",
-    routed_scaling_factor=1.0,
+    routed_scaling_factor=2.5,  # GLM-5's and DeepSeek-V3.2's published value
     bos_token_id=BOS,
     eos_token_id=EOS,
     tie_word_embeddings=False,
@@ -328,6 +336,8 @@ def _condition(model, spec: ModelSpec) -> None:
                 gain = 1.0
                 if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
                     gain = (2 * n_layers) ** -0.5  # residual branches add up
+                if ".experts" in name and "shared_experts" not in name and "down_proj" in name:
+                    gain /= spec.config["routed_scaling_factor"]  # RECIPE 10
                 if name.endswith("o_proj.weight"):
                     gain *= O_PROJ_GAIN
                 if name.endswith("mlp.gate.weight"):
