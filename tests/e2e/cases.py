@@ -11,6 +11,7 @@ import models
 from setups import (
     AUTO_SM120,
     PEER,
+    PEER_MTP,
     TRITON_BF16,
     TRITON_FP16,
     TRITON_FP16_EAGER,
@@ -22,11 +23,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 MAX_TOKENS = 24
+# the MTP setups' one-step-at-a-time pass (run_engine.step_counts): about 50
+# drafts a prompt (384 + 96 tokens fit max_model_len 512)
+MTP_STEP_TOKENS = 96
 
 # (model, GGUF type) -> the series' setups run on it; upstream's peer runs on
 # every one of them.
 GROUPS = {
-    ("glm5", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_MTP],
+    ("glm5", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_MTP, PEER_MTP],
     ("glm5", "bf16"): [TRITON_FP16, TRITON_BF16],
     ("glm5", "q8_0"): [TRITON_FP16, TRITON_BF16],
     ("glm5", "q4_k_m"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
@@ -36,7 +40,7 @@ GROUPS = {
     # on 2026-11-30 and 12-01 (docs/e2e.md): bf16 and eager tell the dtype,
     # the kernels and CUDA graphs apart
     ("glm52", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER,
-                       TRITON_FP16_MTP],
+                       TRITON_FP16_MTP, PEER_MTP],
     ("glm52", "q4_k_m"): [TRITON_FP16, TRITON_BF16],
     ("dsv32", "f16"): [TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_TP2],
     ("dsv32", "q8_0"): [TRITON_FP16, TRITON_BF16],
@@ -96,6 +100,17 @@ def prompts() -> list[list[int]]:
     rng = random.Random(2026)
     lo, hi = models.FIRST_TEXT_TOKEN, models.VOCAB - 1
     return [[rng.randint(lo, hi) for _ in range(n)] for n in (384, 96, 192)]
+
+
+def mtp_step_prompts() -> list[list[int]]:
+    """The MTP setups' one-step-at-a-time prompts: prompts() and four more of
+    64 tokens, about 350 drafts in all (a defect that changes 1 draft in 50
+    shows in several)."""
+    import random
+
+    rng = random.Random(2027)
+    lo, hi = models.FIRST_TEXT_TOKEN, models.VOCAB - 1
+    return prompts() + [[rng.randint(lo, hi) for _ in range(64)] for _ in range(4)]
 
 
 def index_topk(manifest: dict, model: str) -> int:

@@ -80,8 +80,9 @@ from oracles import (
     routed,
     transformers_logprobs,
     transformers_model,
+    transformers_mtp_logits,
 )
-from setups import PEER, SETUPS
+from setups import PEER, PEER_MTP, SETUPS
 
 # The decode bars pair ours with the peer over the steps their continuations
 # share when every prompt shares at least this many (a third of MAX_TOKENS).
@@ -91,6 +92,64 @@ MIN_PAIRED_STEPS = 8
 # of the time in fp32 (tests/e2e/models.py, recipe 8); a broken draft path
 # proposes noise (1 in 512).
 MIN_ACCEPTANCE = 0.15
+
+# The drafts themselves (mtp_draft_figures): a step's draft is accepted
+# exactly where it is the target's greedy token, so each accepted or rejected
+# draft says whether the engine's draft agrees with the fp32 reference's on
+# that point. Drafts whose reference top two are closer than MTP_TIE nats
+# (bf16's p90 distance from fp32 on the test models: 0.10) are left out.
+# Ours disagree in at most MTP_SLACK more drafts than upstream's bf16 path
+# with MTP (flashmla-bf16-mtp) at its rate, which itself must stay under
+# MTP_PEER_MAX (a broken draft path disagrees as often as the reference is
+# right, ~0.8). Measured on an H100 (2026-12-06, GLM-5 and GLM-5.2 F16, about
+# 160 drafts each): upstream's path and triton-fp16-mtp 0; the fp16 block
+# whose attention and MoE enter its residual at 1/2.5 weight (without patch
+# 0043) 2 and 4.
+MTP_TIE = 0.1
+MTP_SLACK = 1
+MTP_PEER_MAX = 0.1
+
+
+def draft_disagreement(prompt_len: int, tokens: list[int], counts: list[int],
+                       logits: torch.Tensor) -> dict:
+    """How often one speculative token's accept or reject disagrees with the
+    reference: tokens, the prompt and the greedy text; counts, the tokens
+    each engine step added (1 for the prefill, then 1 + accepted drafts);
+    logits, the reference drafter's (row i: its guess for tokens[i + 2]).
+    After a step the last known token is tokens[m]; the next draft guesses
+    tokens[m + 1] from row m - 1. The last step is left out: max_tokens may
+    have cut the token an accepted draft brings."""
+    if not counts or counts[0] != 1 or any(c not in (1, 2) for c in counts[1:]) \
+            or sum(counts) != len(tokens) - prompt_len:
+        raise ValueError(f"step counts {counts} do not describe {len(tokens) - prompt_len} "
+                         "tokens with one speculative token")
+    top2 = logits.float().topk(2, dim=-1)
+    guess = top2.indices[:, 0].tolist()
+    margin = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+    m = prompt_len
+    drafts = near_ties = disagree = 0
+    for added in counts[1:-1]:
+        drafts += 1
+        if margin[m - 1] < MTP_TIE:
+            near_ties += 1
+        else:
+            disagree += (added == 2) != (guess[m - 1] == tokens[m + 1])
+        m += added
+    return {"drafts": drafts, "near_ties": near_ties, "disagree": disagree}
+
+
+def mtp_draft_figures(hf: Path, steps: list[dict]) -> dict:
+    """draft_disagreement over every prompt's one-step-at-a-time run
+    (run_engine.step_counts), against transformers_mtp_logits on the same
+    weights; rate: disagreements per compared draft."""
+    total = {"drafts": 0, "near_ties": 0, "disagree": 0}
+    for run in steps:
+        tokens = run["prompt"] + run["generated"]
+        got = draft_disagreement(len(run["prompt"]), tokens, run["counts"],
+                                 transformers_mtp_logits(hf, tokens))
+        total = {k: total[k] + got[k] for k in total}
+    compared = total["drafts"] - total["near_ties"]
+    return {**total, "rate": round(total["disagree"] / compared, 4) if compared else None}
 
 
 def scale_free(engine: torch.Tensor, oracle: torch.Tensor) -> torch.Tensor:
@@ -529,9 +588,13 @@ def judge(manifest, model: str, gguf_type: str, res: dict, peer: dict | None = N
     vs_tf = compare(res, tf_prompt, tf_gen, tie("vs_transformers"), topk, peer, tf_forced)
     if taken is not None:
         vs_tf["router_ties_taken"] = taken
-    return {"vs_transformers": vs_tf,
-            "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"), topk, peer,
-                                    lc_forced)}
+    out = {"vs_transformers": vs_tf,
+           "vs_llama_cpp": compare(res, lc_prompt, lc_gen, tie("vs_llama_cpp"), topk, peer,
+                                   lc_forced)}
+    if "steps" in res:
+        hf, _ = model_paths(manifest, model, gguf_type)
+        out["mtp_drafts"] = mtp_draft_figures(hf, res["steps"])
+    return out
 
 
 def judged_peer(engine_runs, manifest, model: str, gguf_type: str) -> dict:
@@ -596,6 +659,29 @@ def judge_all(engine_runs: dict, manifest: dict, workers: int, judge_one=judge_f
     return errors
 
 
+def _mtp_drafts_bar(row: dict, res: dict, peer_mtp: dict | None, is_peer: bool) -> list[str]:
+    """Upstream's disagreement rate + MTP_SLACK drafts (MTP_PEER_MAX for
+    upstream's own)."""
+    if "mtp_drafts" not in res:
+        return ["no one-step-at-a-time run to check the drafts with"]
+    mine = row["mtp_drafts"] = res["mtp_drafts"]
+    compared = mine["drafts"] - mine["near_ties"]
+    if mine["rate"] is None:
+        return [f"no draft to compare ({mine})"]
+    if is_peer:
+        if mine["rate"] > MTP_PEER_MAX:
+            return [(f"drafts disagree with the fp32 reference's at {mine['rate']} of "
+                    f"{compared} compared > {MTP_PEER_MAX}: the draft path is broken")]
+        return []
+    if not peer_mtp or (peer_mtp.get("mtp_drafts") or {}).get("rate") is None:
+        return [f"no bar: {PEER_MTP.name} did not run or judge"]
+    rate = peer_mtp["mtp_drafts"]["rate"]
+    if mine["disagree"] > round(rate * compared) + MTP_SLACK:
+        return [(f"{mine['disagree']} of {compared} drafts disagree with the fp32 "
+                f"reference's > {PEER_MTP.name}'s rate {rate} + {MTP_SLACK}")]
+    return []
+
+
 def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
              path: str, oracles: bool = True) -> tuple[dict, list[str]]:
     """One case's record row and its failures (empty: passed); path: the
@@ -635,7 +721,7 @@ def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
         row.update(spec=spec, greedy_equal_to_no_spec=same,
                    acceptance=round((spec.get("num_accepted_tokens") or 0) / drafts, 4)
                    if drafts else None)
-        if not same:
+        if not same and setup is not PEER_MTP:  # upstream's: recorded, not held
             failures.append(f"greedy output differs from {setup.held_to} without speculation")
         if not drafts:
             failures.append(f"no draft tokens were proposed ({spec})")
@@ -668,10 +754,15 @@ def evaluate(engine_runs: dict, manifest: dict, model: str, gguf_type: str,
                     failures.append(f"TP {setup.gpus} vs TP 1: {key} "
                                     f"{row['vs_tp1'][key]} > 1.5 x the peer's {bar[key]} "
                                     f"vs fp32 + {slack}")
+    if setup.speculative:
+        failures += _mtp_drafts_bar(row, res, engine_runs.get((model, gguf_type, PEER_MTP.name)),
+                                    setup is PEER_MTP)
     if setup is PEER:
         if res["vs_transformers"]["top1"] < 0.8:
             failures.append(f"peer top-1 {res['vs_transformers']['top1']} < 0.8: model or "
                             "oracle broken")
+    elif setup is PEER_MTP:
+        pass  # upstream's path with MTP: its figures are recorded, its drafts held above
     else:
         if "vs_transformers" not in peer:
             failures.append("no bar: the peer failed")

@@ -301,10 +301,16 @@ def routed(model):
             del router.forward  # the class's own again
 
 
-@torch.no_grad()
 def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
+    """The fp32 reference's drafts (transformers_mtp_logits): entry i is its
+    guess for tokens[i + 2]."""
+    return transformers_mtp_logits(hf_dir, tokens).argmax(-1).tolist()
+
+
+@torch.no_grad()
+def transformers_mtp_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
     """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
-    MTP drafter runs it: entry i is its guess for tokens[i + 2], from the
+    MTP drafter runs it: row i is its logits for tokens[i + 2], from the
     target's final (normed) hidden state at i and the embedding of
     tokens[i + 1]. transformers does not model the block; the checkpoint
     stores it as layer num_hidden_layers (an ordinary decoder layer) plus
@@ -344,8 +350,7 @@ def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
     hidden = target.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
     embeds = target.model.embed_tokens(ids)[0, 1:]
     x = torch.cat([rms(embeds, w("enorm.weight")), rms(hidden, w("hnorm.weight"))], dim=-1)
-    logits = block(inputs_embeds=(x @ w("eh_proj.weight").T)[None], use_cache=False).logits
-    return logits[0].argmax(-1).tolist()
+    return block(inputs_embeds=(x @ w("eh_proj.weight").T)[None], use_cache=False).logits[0]
 
 
 @torch.no_grad()

@@ -148,6 +148,10 @@ def render(rows: list[dict]) -> str:
         if "acceptance" in r:
             mtp = (f"acceptance {r['acceptance']}, greedy = no-spec: "
                    f"{'yes' if r.get('greedy_equal_to_no_spec') else 'NO'}")
+            if "mtp_drafts" in r:  # judging.mtp_draft_figures
+                d = r["mtp_drafts"]
+                mtp += (f"; drafts unlike fp32's: {d['disagree']} of "
+                        f"{d['drafts'] - d['near_ties']}")
         if "unjudged" in r:  # its engine ran (E2E_JUDGE=later)
             cells = [r["unjudged"], *([""] if split else []), "", mtp, "", r.get("start_s")]
             lines.append(f"{case} {r['backend']}, {r['dtype']}, {r['indexer']} | "

@@ -101,6 +101,32 @@ def _dense(entries, vocab: int):
     return rows
 
 
+def step_counts(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Each prompt alone, driven one engine step at a time: the prompt, the
+    greedy tokens and how many tokens each step added. With one speculative token a decode step
+    adds 2 where its draft was accepted and 1 where not (vLLM reports no
+    drafts, only counts): judging.mtp_draft_figures holds the steps to the
+    drafts of the fp32 reference."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    out = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"steps-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        counts, tokens = [], []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                new = list(o.outputs[0].token_ids) if o.outputs else []
+                if new:
+                    counts.append(len(new))
+                    tokens += new
+        out.append({"prompt": prompt, "generated": tokens, "counts": counts})
+    return out
+
+
 def main() -> None:
     case = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -159,6 +185,8 @@ def main() -> None:
                 entry[t].logprob for t, entry in zip(tokens, out.outputs[0].logprobs)])
             if full:
                 vectors[i]["forced"] = _dense(out.outputs[0].logprobs, full)
+    if case.get("step_tokens"):
+        result["steps"] = step_counts(llm, case["step_prompts"], case["step_tokens"])
     config = llm.llm_engine.vllm_config
     result["dtype"] = str(config.model_config.dtype).removeprefix("torch.")
     result["spec"] = {}

@@ -75,9 +75,15 @@ TRITON_FP16_TP2 = _triton("triton-fp16-tp2", "float16", held_to=TRITON_FP16.name
                           tensor_parallel_size=2)
 # MTP speculative decoding from the GGUF's NextN block; its greedy output
 # must be that of triton-fp16
-TRITON_FP16_MTP = _triton("triton-fp16-mtp", "float16", held_to=TRITON_FP16.name,
-                          speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-                          disable_log_stats=False)  # the acceptance counters
+_MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+        "disable_log_stats": False}  # the acceptance counters
+TRITON_FP16_MTP = _triton("triton-fp16-mtp", "float16", held_to=TRITON_FP16.name, **_MTP)
+# upstream's path with MTP: the bar of triton-fp16-mtp's drafts
+# (judging.mtp_draft_figures). Upstream's own: its figures are recorded, and
+# only a floor is held (a broken draft model would loosen the bar)
+PEER_MTP = EngineSetup("flashmla-bf16-mtp", {**PEER.llm_args, **_MTP},
+                       env=PEER.env, backend=PEER.backend, dtype=PEER.dtype,
+                       indexer=PEER.indexer, held_to=PEER.name)
 
 # triton-fp16 without the dense Marlin copy of the linears of Q4_K, Q4_0 and
 # Q8_0 (VLLM_GGUF_MARLIN_LINEARS=0, 0036): the test models' decode batches
@@ -88,4 +94,4 @@ TRITON_FP16_NO_MARLIN_LINEARS = EngineSetup(
 
 SETUPS: dict[str, EngineSetup] = {s.name: s for s in (
     PEER, TRITON_FP16, TRITON_BF16, AUTO_SM120, TRITON_FP16_EAGER, TRITON_FP16_TP2,
-    TRITON_FP16_MTP, TRITON_FP16_NO_MARLIN_LINEARS)}
+    TRITON_FP16_MTP, PEER_MTP, TRITON_FP16_NO_MARLIN_LINEARS)}

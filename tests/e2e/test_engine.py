@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cases import CASES, HERE, MAX_TOKENS, model_paths, prompts
+from cases import (
+    CASES,
+    HERE,
+    MAX_TOKENS,
+    MTP_STEP_TOKENS,
+    model_paths,
+    mtp_step_prompts,
+    prompts,
+)
 from judging import evaluate, judge_all, judge_later
 from models import VOCAB
 from oracles import fp32_greedy
@@ -42,6 +50,8 @@ def run_engine(tmp_path: Path, hf: Path, gguf: Path, setup: EngineSetup,
     }
     if forced and not setup.speculative:  # vLLM: no logits processors with drafts
         case["forced"] = forced
+    if setup.speculative:  # prompts one step at a time (the drafts' check)
+        case.update(step_prompts=mtp_step_prompts(), step_tokens=MTP_STEP_TOKENS)
     env = dict(os.environ, **setup.env)
     if "E2E_REPORT_SM" in setup.env:
         env["PYTHONPATH"] = os.pathsep.join(

@@ -1,7 +1,8 @@
 """judging.py's rules on made-up numbers (CPU): what compare() reports
 for the prompt tokens, the greedy tokens and the decode steps, split by the
 indexer's top-k selection, and what check_bar lets through; judge_all()'s
-processes; what evaluate() checks of a run judged later (E2E_JUDGE=later)."""
+processes; what evaluate() checks of a run judged later (E2E_JUDGE=later);
+how MTP steps are held to the reference's drafts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import judging
 from cases import MAX_TOKENS, prompts
 from judging import check_bar, compare, evaluate, judge_all, judge_later, oracle_device
-from setups import PEER, SETUPS, TRITON_FP16, TRITON_FP16_MTP
+from setups import PEER, PEER_MTP, SETUPS, TRITON_FP16, TRITON_FP16_MTP
 
 VOCAB = 512
 
@@ -383,3 +384,118 @@ def test_a_run_judged_later_checks_speculation(later_run):
                                              prompts=[{"generated": [5, 7]}])
     _, failures = evaluate(runs, manifest, "glm5", "f16", mtp.name, oracles=False)
     assert failures == ["greedy output differs from triton-fp16 without speculation"]
+
+
+def test_upstreams_mtp_greedy_difference_is_recorded_not_held(later_run):
+    manifest, runs, result = later_run
+    spec = {"num_draft_tokens": 40, "num_accepted_tokens": 31}
+    runs[("glm5", "f16", PEER_MTP.name)] = result(PEER_MTP, spec=spec,
+                                                  prompts=[{"generated": [5, 7]}])
+    row, failures = evaluate(runs, manifest, "glm5", "f16", PEER_MTP.name, oracles=False)
+    assert failures == [] and row["greedy_equal_to_no_spec"] is False
+
+
+def _reference(rng: torch.Generator, rows: int, margin: float = 1.0) -> torch.Tensor:
+    """Drafter logits whose top two are `margin` apart in every row."""
+    logits = torch.randn(rows, VOCAB, generator=rng)
+    top = logits.argmax(-1)
+    logits[torch.arange(rows), top] = logits.max(-1).values + margin
+    return logits
+
+
+def _steps(prompt_len: int, tokens: list[int], drafts) -> list[int]:
+    """What an engine with one speculative token reports for a greedy text
+    (tokens) whose drafter proposes drafts(i) for tokens[i + 2]."""
+    counts, m = [1], prompt_len
+    while m + 1 < len(tokens):
+        hit = drafts(m - 1) == tokens[m + 1] and m + 2 < len(tokens)
+        counts.append(2 if hit else 1)
+        m += counts[-1]
+    return counts
+
+
+@pytest.mark.parametrize("changed, fails", [(0.0, False), (0.12, True)])
+def test_draft_disagreement_sees_drafts_that_differ_from_the_reference(changed, fails):
+    """A drafter that is the reference's agrees at every step; one whose
+    drafts differ from it on 12 % of the points is over upstream's bar even
+    where upstream disagrees at 0.02."""
+    rng = torch.Generator().manual_seed(0)
+    prompt_len, n = 40, 400
+    logits = _reference(rng, prompt_len + n)
+    guess = logits.argmax(-1).tolist()
+    # a greedy text the reference drafts right 80 % of the time
+    tokens = torch.randint(0, VOCAB, (prompt_len + n,), generator=rng).tolist()
+    for i in range(prompt_len, prompt_len + n):
+        if torch.rand(1, generator=rng).item() < 0.8:
+            tokens[i] = guess[i - 2]
+    other = {i for i in range(len(guess)) if torch.rand(1, generator=rng).item() < changed}
+
+    def drafts(i):
+        return (guess[i] + 1) % VOCAB if i in other else guess[i]
+
+    counts = _steps(prompt_len, tokens, drafts)
+    got = judging.draft_disagreement(prompt_len, tokens, counts, logits)
+    assert got["drafts"] == len(counts) - 2 and got["near_ties"] == 0
+    rate = got["disagree"] / got["drafts"]
+    row = {}
+    failures = judging._mtp_drafts_bar(row, {"mtp_drafts": {**got, "rate": rate}},
+                                       {"mtp_drafts": {"rate": 0.02}}, is_peer=False)
+    assert bool(failures) == fails, (rate, failures)
+    assert (rate == 0) == (not changed)
+
+
+def test_draft_disagreement_leaves_out_near_ties_and_the_last_step():
+    rng = torch.Generator().manual_seed(1)
+    logits = _reference(rng, 12)
+    guess = logits.argmax(-1).tolist()
+    prompt_len = 4
+    counts = [1, 1, 2, 1, 2, 1]  # the last known token after each: 4, 5, 7, 8, 10, 11
+    # the drafts after them come from rows 3 (a near-tie), 4, 6 and 7, and 9
+    # (the last step's: left out); accepted where the engine added 2
+    logits[3, :] = 0.0
+    logits[3, 9] = judging.MTP_TIE / 2
+    tokens = list(range(100, 112))
+    tokens[6], tokens[8], tokens[9] = guess[4], (guess[6] + 1) % VOCAB, guess[7]
+    tokens[11] = guess[9]  # the last draft: right, and the engine's 1 not held
+    got = judging.draft_disagreement(prompt_len, tokens, counts, logits)
+    assert got == {"drafts": 4, "near_ties": 1, "disagree": 0}
+    tokens[8] = guess[6]  # the reference is right where the engine's draft was rejected
+    tokens[9] = (guess[7] + 1) % VOCAB  # and wrong where it was accepted
+    got = judging.draft_disagreement(prompt_len, tokens, counts, logits)
+    assert got == {"drafts": 4, "near_ties": 1, "disagree": 2}
+
+
+@pytest.mark.parametrize("counts", [[1, 3, 1], [2, 1, 1], [1, 1], []])
+def test_draft_disagreement_refuses_counts_of_another_text(counts):
+    with pytest.raises(ValueError, match="step counts"):
+        judging.draft_disagreement(2, [1, 2, 3, 4, 5], counts, torch.zeros(4, VOCAB))
+
+
+def _drafts(disagree: int, compared: int = 160, near_ties: int = 0) -> dict:
+    return {"mtp_drafts": {"drafts": compared + near_ties, "near_ties": near_ties,
+                           "disagree": disagree, "rate": round(disagree / compared, 4)}}
+
+
+@pytest.mark.parametrize("ours, peer, fails", [
+    (0, 0, False), (1, 0, False),
+    # the H100 run of 2026-12-06 without patch 0043: GLM-5 2, GLM-5.2 4 of
+    # about 160, upstream's path 0
+    (2, 0, True), (4, 0, True),
+    (5, 4, False), (6, 4, True)])
+def test_mtp_drafts_bar(ours, peer, fails):
+    failures = judging._mtp_drafts_bar({}, _drafts(ours), _drafts(peer), is_peer=False)
+    assert bool(failures) == fails, failures
+
+
+def test_mtp_drafts_bar_without_a_bar_and_upstreams_floor():
+    bar = judging._mtp_drafts_bar
+    assert "no bar" in bar({}, _drafts(0), None, False)[0]
+    assert "no bar" in bar({}, _drafts(0), {"error": "x"}, False)[0]
+    assert bar({}, _drafts(16), None, True) == []  # 0.1
+    assert "broken" in bar({}, _drafts(48), None, True)[0]
+    assert "one-step" in bar({}, {}, _drafts(0), False)[0]
+    none = {"mtp_drafts": {"drafts": 2, "near_ties": 2, "disagree": 0, "rate": None}}
+    assert "no draft" in bar({}, none, _drafts(0), False)[0]
+    row = {}
+    bar(row, _drafts(1), _drafts(0), False)
+    assert row["mtp_drafts"]["disagree"] == 1

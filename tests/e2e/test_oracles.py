@@ -17,7 +17,7 @@ import torch
 
 import models
 from cases import prompts
-from judging import routed_alternatives, routed_as
+from judging import mtp_draft_figures, routed_alternatives, routed_as
 from oracles import (
     ROUTER_TIE,
     fp8_index_scores,
@@ -30,6 +30,7 @@ from oracles import (
     transformers_logprobs,
     transformers_model,
     transformers_mtp_drafts,
+    transformers_mtp_logits,
 )
 
 
@@ -99,6 +100,34 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models, name):
         hits += sum(drafts[i] == seq[i + 2] for i in range(len(prompt) - 2, len(seq) - 2))
         total += len(seq) - len(prompt)
     assert hits / total >= 0.25, f"{name}: {hits} of {total} drafts are the target's greedy tokens"
+
+
+@pytest.mark.parametrize("name", [m.name for m in models.MODELS.values() if m.mtp_layers])
+def test_mtp_steps_of_the_reference_drafter_agree_with_it(f32_models, name):
+    """The steps an engine whose drafts are the fp32 block's would report
+    (its own guess for the token after each last known one) agree with the
+    reference everywhere; one that proposes the runner-up instead does not."""
+    out, manifest = f32_models
+    hf = out / name / manifest["models"][name]["hf"]
+    prompt_list = prompts()[1:]  # the short ones: the CPU's time
+    texts = fp32_greedy(hf, prompt_list, 24)
+
+    def steps(pick: int) -> list[dict]:
+        runs = []
+        for prompt, text in zip(prompt_list, texts):
+            seq = prompt + text
+            guess = transformers_mtp_logits(hf, seq).topk(2, dim=-1).indices[:, pick].tolist()
+            counts, m = [1], len(prompt)
+            while m + 1 < len(seq):
+                counts.append(2 if guess[m - 1] == seq[m + 1] and m + 2 < len(seq) else 1)
+                m += counts[-1]
+            runs.append({"prompt": prompt, "generated": text, "counts": counts})
+        return runs
+
+    same = mtp_draft_figures(hf, steps(0))
+    assert same["disagree"] == 0 and same["drafts"] >= 20, same
+    other = mtp_draft_figures(hf, steps(1))
+    assert other["rate"] > 0.25, other
 
 
 @pytest.fixture

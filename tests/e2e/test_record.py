@@ -76,6 +76,9 @@ def test_rows_judged_later_render_as_not_judged():
     mtp = {**row, "path": "triton-fp16-mtp", "acceptance": 0.775,
            "greedy_equal_to_no_spec": True}
     assert "| | acceptance 0.775, greedy = no-spec: yes | | 30.5 | not judged |" in render([mtp])
+    drafts = {"drafts": 150, "near_ties": 4, "disagree": 3, "rate": 0.0205}
+    assert "greedy = no-spec: yes; drafts unlike fp32's: 3 of 146 |" in render(
+        [{**mtp, "mtp_drafts": drafts}])
     for judged in ([], engine[:2]):
         table = [x for x in render([*judged, row, mtp]).splitlines() if x.startswith("|")]
         assert len(table) == 4 + len(judged) and len({x.count("|") for x in table}) == 1
