@@ -138,6 +138,18 @@ def draft_disagreement(prompt_len: int, tokens: list[int], counts: list[int],
     return {"drafts": drafts, "near_ties": near_ties, "disagree": disagree}
 
 
+def expected_step_counts(prompt_len: int, tokens: list[int], drafts) -> list[int]:
+    """What an engine with one speculative token reports for a greedy text
+    (tokens) whose drafter proposes drafts(i) for tokens[i + 2]: the
+    counterpart of draft_disagreement, for its tests."""
+    counts, m = [1], prompt_len
+    while m + 1 < len(tokens):
+        hit = drafts(m - 1) == tokens[m + 1] and m + 2 < len(tokens)
+        counts.append(2 if hit else 1)
+        m += counts[-1]
+    return counts
+
+
 def mtp_draft_figures(hf: Path, steps: list[dict]) -> dict:
     """draft_disagreement over every prompt's one-step-at-a-time run
     (run_engine.step_counts), against transformers_mtp_logits on the same

@@ -403,17 +403,6 @@ def _reference(rng: torch.Generator, rows: int, margin: float = 1.0) -> torch.Te
     return logits
 
 
-def _steps(prompt_len: int, tokens: list[int], drafts) -> list[int]:
-    """What an engine with one speculative token reports for a greedy text
-    (tokens) whose drafter proposes drafts(i) for tokens[i + 2]."""
-    counts, m = [1], prompt_len
-    while m + 1 < len(tokens):
-        hit = drafts(m - 1) == tokens[m + 1] and m + 2 < len(tokens)
-        counts.append(2 if hit else 1)
-        m += counts[-1]
-    return counts
-
-
 @pytest.mark.parametrize("changed, fails", [(0.0, False), (0.12, True)])
 def test_draft_disagreement_sees_drafts_that_differ_from_the_reference(changed, fails):
     """A drafter that is the reference's agrees at every step; one whose
@@ -433,7 +422,7 @@ def test_draft_disagreement_sees_drafts_that_differ_from_the_reference(changed, 
     def drafts(i):
         return (guess[i] + 1) % VOCAB if i in other else guess[i]
 
-    counts = _steps(prompt_len, tokens, drafts)
+    counts = judging.expected_step_counts(prompt_len, tokens, drafts)
     got = judging.draft_disagreement(prompt_len, tokens, counts, logits)
     assert got["drafts"] == len(counts) - 2 and got["near_ties"] == 0
     rate = got["disagree"] / got["drafts"]

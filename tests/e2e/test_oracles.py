@@ -17,7 +17,7 @@ import torch
 
 import models
 from cases import prompts
-from judging import mtp_draft_figures, routed_alternatives, routed_as
+from judging import expected_step_counts, mtp_draft_figures, routed_alternatives, routed_as
 from oracles import (
     ROUTER_TIE,
     fp8_index_scores,
@@ -117,11 +117,8 @@ def test_mtp_steps_of_the_reference_drafter_agree_with_it(f32_models, name):
         for prompt, text in zip(prompt_list, texts):
             seq = prompt + text
             guess = transformers_mtp_logits(hf, seq).topk(2, dim=-1).indices[:, pick].tolist()
-            counts, m = [1], len(prompt)
-            while m + 1 < len(seq):
-                counts.append(2 if guess[m - 1] == seq[m + 1] and m + 2 < len(seq) else 1)
-                m += counts[-1]
-            runs.append({"prompt": prompt, "generated": text, "counts": counts})
+            runs.append({"prompt": prompt, "generated": text,
+                         "counts": expected_step_counts(len(prompt), seq, guess.__getitem__)})
         return runs
 
     same = mtp_draft_figures(hf, steps(0))
