@@ -77,10 +77,10 @@ from oracles import (
     generated_logprobs,
     greedy_gaps,
     llama_cpp_logprobs,
+    mtp_reference,
     routed,
     transformers_logprobs,
     transformers_model,
-    transformers_mtp_logits,
 )
 from setups import PEER, PEER_MTP, SETUPS
 
@@ -152,13 +152,14 @@ def expected_step_counts(prompt_len: int, tokens: list[int], drafts) -> list[int
 
 def mtp_draft_figures(hf: Path, steps: list[dict]) -> dict:
     """draft_disagreement over every prompt's one-step-at-a-time run
-    (run_engine.step_counts), against transformers_mtp_logits on the same
-    weights; rate: disagreements per compared draft."""
+    (run_engine.step_counts), against transformers_mtp_logits (mtp_reference, loaded once) on
+    the same weights; rate: disagreements per compared draft."""
     total = {"drafts": 0, "near_ties": 0, "disagree": 0}
+    reference = mtp_reference(hf)
     for run in steps:
         tokens = run["prompt"] + run["generated"]
         got = draft_disagreement(len(run["prompt"]), tokens, run["counts"],
-                                 transformers_mtp_logits(hf, tokens))
+                                 reference(tokens))
         total = {k: total[k] + got[k] for k in total}
     compared = total["drafts"] - total["near_ties"]
     return {**total, "rate": round(total["disagree"] / compared, 4) if compared else None}

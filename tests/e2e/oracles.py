@@ -26,6 +26,7 @@ those near-ties taken the other way.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -307,7 +308,6 @@ def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
     return transformers_mtp_logits(hf_dir, tokens).argmax(-1).tolist()
 
 
-@torch.no_grad()
 def transformers_mtp_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
     """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
     MTP drafter runs it: row i is its logits for tokens[i + 2], from the
@@ -315,6 +315,13 @@ def transformers_mtp_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
     tokens[i + 1]. transformers does not model the block; the checkpoint
     stores it as layer num_hidden_layers (an ordinary decoder layer) plus
     eh_proj, enorm, hnorm and shared_head.norm."""
+    return mtp_reference(hf_dir)(tokens)
+
+
+@torch.no_grad()
+def mtp_reference(hf_dir: Path) -> Callable[[list[int]], torch.Tensor]:
+    """transformers_mtp_logits with the target and the block loaded once:
+    a function of the tokens, for judging many texts on one checkpoint."""
     from safetensors.torch import load_file
 
     model_class = transformers_class(hf_dir)
@@ -346,11 +353,18 @@ def transformers_mtp_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * weight
 
     block.model.norm.weight.copy_(w("shared_head.norm.weight"))
-    ids = torch.tensor([tokens])
-    hidden = target.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-    embeds = target.model.embed_tokens(ids)[0, 1:]
-    x = torch.cat([rms(embeds, w("enorm.weight")), rms(hidden, w("hnorm.weight"))], dim=-1)
-    return block(inputs_embeds=(x @ w("eh_proj.weight").T)[None], use_cache=False).logits[0]
+
+    @torch.no_grad()
+    def logits(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        hidden = target.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        embeds = target.model.embed_tokens(ids)[0, 1:]
+        x = torch.cat([rms(embeds, w("enorm.weight")), rms(hidden, w("hnorm.weight"))],
+                      dim=-1)
+        return block(inputs_embeds=(x @ w("eh_proj.weight").T)[None],
+                     use_cache=False).logits[0]
+
+    return logits
 
 
 @torch.no_grad()
