@@ -152,8 +152,9 @@ def expected_step_counts(prompt_len: int, tokens: list[int], drafts) -> list[int
 
 def mtp_draft_figures(hf: Path, steps: list[dict]) -> dict:
     """draft_disagreement over every prompt's one-step-at-a-time run
-    (run_engine.step_counts), against transformers_mtp_logits (mtp_reference, loaded once) on
-    the same weights; rate: disagreements per compared draft."""
+    (run_engine.step_counts), against the fp32 reference drafter
+    (oracles.mtp_reference) on the same weights; rate: disagreements per
+    compared draft."""
     total = {"drafts": 0, "near_ties": 0, "disagree": 0}
     reference = mtp_reference(hf)
     for run in steps:

@@ -302,26 +302,14 @@ def routed(model):
             del router.forward  # the class's own again
 
 
-def transformers_mtp_drafts(hf_dir: Path, tokens: list[int]) -> list[int]:
-    """The fp32 reference's drafts (transformers_mtp_logits): entry i is its
-    guess for tokens[i + 2]."""
-    return transformers_mtp_logits(hf_dir, tokens).argmax(-1).tolist()
-
-
-def transformers_mtp_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
-    """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
-    MTP drafter runs it: row i is its logits for tokens[i + 2], from the
-    target's final (normed) hidden state at i and the embedding of
-    tokens[i + 1]. transformers does not model the block; the checkpoint
-    stores it as layer num_hidden_layers (an ordinary decoder layer) plus
-    eh_proj, enorm, hnorm and shared_head.norm."""
-    return mtp_reference(hf_dir)(tokens)
-
-
 @torch.no_grad()
 def mtp_reference(hf_dir: Path) -> Callable[[list[int]], torch.Tensor]:
-    """transformers_mtp_logits with the target and the block loaded once:
-    a function of the tokens, for judging many texts on one checkpoint."""
+    """fp32 reference of the checkpoint's NextN (MTP) block as vLLM's DeepSeek
+    MTP drafter runs it, loaded once: a function of the tokens whose row i is
+    its logits for tokens[i + 2], from the target's final (normed) hidden
+    state at i and the embedding of tokens[i + 1]. transformers does not
+    model the block; the checkpoint stores it as layer num_hidden_layers (an
+    ordinary decoder layer) plus eh_proj, enorm, hnorm and shared_head.norm."""
     from safetensors.torch import load_file
 
     model_class = transformers_class(hf_dir)

@@ -24,13 +24,12 @@ from oracles import (
     fp8_round,
     fp32_greedy,
     moe_routers,
+    mtp_reference,
     route,
     routed,
     transformers_class,
     transformers_logprobs,
     transformers_model,
-    transformers_mtp_drafts,
-    transformers_mtp_logits,
 )
 
 
@@ -92,10 +91,11 @@ def test_mtp_block_drafts_the_targets_tokens(f32_models, name):
     engine)."""
     out, manifest = f32_models
     hf = out / name / manifest["models"][name]["hf"]
+    reference = mtp_reference(hf)
     hits = total = 0
     for prompt, text in zip(prompts(), fp32_greedy(hf, prompts(), 24)):
         seq = prompt + text
-        drafts = transformers_mtp_drafts(hf, seq)
+        drafts = reference(seq).argmax(-1).tolist()
         # the drafts made while generating: from positions len(prompt) - 1 on
         hits += sum(drafts[i] == seq[i + 2] for i in range(len(prompt) - 2, len(seq) - 2))
         total += len(seq) - len(prompt)
@@ -111,12 +111,13 @@ def test_mtp_steps_of_the_reference_drafter_agree_with_it(f32_models, name):
     hf = out / name / manifest["models"][name]["hf"]
     prompt_list = prompts()[1:]  # the short ones: the CPU's time
     texts = fp32_greedy(hf, prompt_list, 24)
+    reference = mtp_reference(hf)
 
     def steps(pick: int) -> list[dict]:
         runs = []
         for prompt, text in zip(prompt_list, texts):
             seq = prompt + text
-            guess = transformers_mtp_logits(hf, seq).topk(2, dim=-1).indices[:, pick].tolist()
+            guess = reference(seq).topk(2, dim=-1).indices[:, pick].tolist()
             runs.append({"prompt": prompt, "generated": text,
                          "counts": expected_step_counts(len(prompt), seq, guess.__getitem__)})
         return runs
