@@ -50,12 +50,20 @@ def _greedy_note(rows: list[dict]) -> str:
             "prefix (transformers only)")
 
 
-def _section(title: str, note: str, header: str, align: str, body: list[str]) -> list[str]:
-    """A table of another test's rows under the engine table (none without rows)."""
-    return ["", f"## {title}", "", note, "", header, align, *body] if body else []
+def _section(title: str, note: str, header: str, align: str, body: list[str],
+             rows: list[dict], first: dict) -> list[str]:
+    """A table of another test's rows under the engine table (none without
+    rows); rows of another run than the engine rows' name that run."""
+    if not body:
+        return []
+    own = (first.get("date"), first.get("vllm"))
+    runs = sorted({(r["date"], r.get("vllm")) for r in rows if r.get("date")} - {own})
+    when = [f"Run of {d} with vLLM {v}." for d, v in runs]
+    return ["", f"## {title}", "", note, *(["", *when] if when else []), "", header, align,
+            *body]
 
 
-def _serve(rows: list[dict]) -> list[str]:
+def _serve(rows: list[dict], first: dict) -> list[str]:
     """test_serve.py's rows: `vllm serve` as SM120 users start it."""
     body = []
     for r in rows:
@@ -70,10 +78,10 @@ def _serve(rows: list[dict]) -> list[str]:
          "bar: 0.9."),
         ("| model | GGUF | endpoint | prompt tokens | greedy | near-tie (nats) | "
          "misses (nats) | pass |"),
-        "|---|---|---|---:|---|---:|---|---|", body)
+        "|---|---|---|---:|---|---:|---|---|", body, rows, first)
 
 
-def _decode_batches(rows: list[dict]) -> list[str]:
+def _decode_batches(rows: list[dict], first: dict) -> list[str]:
     """test_decode_batches.py's rows: many sequences a decode step."""
     body = [f"| {r['model']} | {r['gguf_type']} | {r['decode_batch']} | "
             f"{r.get('setup', 'triton-fp16')} | {r['ours']['steps']} | "
@@ -89,7 +97,7 @@ def _decode_batches(rows: list[dict]) -> list[str]:
          "against transformers fp32; bars: 1.5x the peer's mean + 0.01, 1.5x its p90 "
          "+ 0.02."),
         "| model | GGUF | sequences a step | ours | steps | ours' figures | peer | pass |",
-        "|---|---|---:|---|---:|---|---|---|", body)
+        "|---|---|---:|---|---:|---|---|---|", body, rows, first)
 
 
 def render(rows: list[dict]) -> str:
@@ -164,7 +172,7 @@ def render(rows: list[dict]) -> str:
             + f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | "
             f"{r['start_s']} | {'yes' if r.get('passed') else 'NO'} |"
         )
-    return "\n".join(lines + _serve(serve) + _decode_batches(batches)) + "\n"
+    return "\n".join(lines + _serve(serve, first) + _decode_batches(batches, first)) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,11 +20,16 @@ def test_committed_table_is_rendered_from_its_data(data):
     assert render(rows) == data.with_suffix(".md").read_text()
 
 
+def _engine_rows() -> list[dict]:
+    """A committed record's rows of test_engine.py alone."""
+    rows = (json.loads(line) for line in RESULTS[0].read_text().splitlines() if line)
+    return [r for r in rows if "serve" not in r and "decode_batch" not in r]
+
+
 def test_serve_rows_get_their_own_table():
     """test_serve.py's rows (E2E_RECORD) render apart from the engine rows,
     a failing one as such, and leave the engine table as it was."""
-    engine = [r for r in (json.loads(line) for line in RESULTS[0].read_text().splitlines()
-                          if line) if "serve" not in r]
+    engine = _engine_rows()
     serve = [{"model": "glm5", "gguf_type": "q4_k_m", "serve": "/v1/completions",
               "prompt_tokens": 384, "greedy": 1.0, "greedy_strict": 0.9375,
               "greedy_miss_gaps": [0.042], "near_tie": 0.15, "passed": True},
@@ -42,8 +47,7 @@ def test_serve_rows_get_their_own_table():
 def test_decode_batch_rows_get_their_own_table():
     """test_decode_batches.py's rows render apart, after the engine rows,
     and leave the engine table as it was."""
-    engine = [r for r in (json.loads(line) for line in RESULTS[0].read_text().splitlines()
-                          if line) if "serve" not in r]
+    engine = _engine_rows()
     figures = {"steps": 480, "mean": 0.0034, "p90": 0.0099, "max": 0.0544}
     row = {"model": "glm5", "gguf_type": "q4_k_m", "decode_batch": 40, "ours": figures,
            "peer": {**figures, "mean": 0.0411}, "passed": False}
@@ -60,6 +64,25 @@ def test_decode_batch_rows_get_their_own_table():
     later = render([row, {**row, "model": "glm52", "judged": "on CPU"}])
     assert "| 0.0411 / 0.0099 / 0.0544 | NO |\n| glm52 |" in later
     assert "| NO (judged after the run: on CPU) |" in later
+
+
+def test_rows_of_another_run_name_it():
+    """serve and decode-batch rows from another run than the engine rows' (a
+    later session with the same wheel) say which run they are; rows of the
+    engine rows' own run say nothing more."""
+    engine = {"model": "glm5", "gguf_type": "f16", "path": "triton-fp16", "tp": 1,
+              "backend": "TRITON_MLA_SPARSE", "dtype": "float16", "indexer": "triton",
+              "start_s": 30.5, "unjudged": "later", "date": "2026-12-06T10:44:51Z",
+              "vllm": "0.23.0+dsa.sm120.a7e4804c"}
+    serve = {"model": "glm5", "gguf_type": "q4_k_m", "serve": "/v1/completions",
+             "prompt_tokens": 384, "greedy": 1.0, "greedy_strict": 1.0,
+             "greedy_miss_gaps": [], "near_tie": 0.15, "passed": True}
+    same = render([engine, {**serve, "date": engine["date"], "vllm": engine["vllm"]}])
+    assert "Run of" not in same
+    later = render([engine, {**serve, "date": "2026-12-06T14:36:23Z", "vllm": engine["vllm"]}])
+    tail = later.split("## vllm serve", 1)[1]
+    assert "\nRun of 2026-12-06T14:36:23Z with vLLM 0.23.0+dsa.sm120.a7e4804c.\n" in tail
+    assert later.count("Run of") == 1
 
 
 def test_rows_judged_later_render_as_not_judged():
