@@ -55,6 +55,16 @@ def _positive(text: str) -> int:
     return n
 
 
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text}: a size in GiB above 0")
+    return x
+
+
 def cmd_plan(args) -> int:
     plan = wl.plan(args.quick, _files(args), args.paths and args.paths.split(","),
                    args.workloads and args.workloads.split(","))
@@ -227,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=_positive, default=1,
                    help="start each vLLM path's server this many times, the paths in turn "
                         "(A B A B); engine.md gives each figure's median and range")
+    p.add_argument("--start-together", type=_positive_float, metavar="KV_GIB",
+                   help="start a file's vLLM servers at once, each with a KV cache of "
+                        "KV_GIB GiB, and measure them in turn while the others wait idle "
+                        "(one start's wait for all; KV and memory figures are not the "
+                        "defaults', the record says so)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("profile", help="where the time of a step goes (GPU)")

@@ -16,7 +16,7 @@
 #     --no-install    use $VENV as it is
 #     --no-llama-cpp  leave the llama.cpp peer out (no CUDA build)
 #     after --:       more `bench/bench_engine.py run` arguments (--files, --paths,
-#                     --workloads, --budget-s, --rounds)
+#                     --workloads, --budget-s, --rounds, --start-together)
 #
 # Environment: WHEELHOUSE=<dir> (install from `make wheelhouse` output with pip --no-index,
 # as make test-gpu does; WHEELHOUSE_NO_DEPS=1 likewise), LLAMA_CPP_SRC=<dir or archive of

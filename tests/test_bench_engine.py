@@ -676,6 +676,16 @@ def test_record_reads_back_and_renders(tmp_path):
     assert record.render(tmp_path, check=True)
 
 
+def _built_q4_k_m(tmp_path: Path) -> Path:
+    """A models folder as build-models leaves it, GLM-5 TP-8 Q4_K_M (no file)."""
+    models = tmp_path / "models"
+    (models / "glm5-tp8").mkdir(parents=True)
+    (models / "glm5-tp8" / "build.json").write_text(json.dumps(
+        {"files": {"q4_k_m": {"file": "f.gguf", "bytes": 1, "types": {"Q4_K": 1}}},
+         "seconds": {"convert_f16": 1.0}, "spec": {}}))
+    return models
+
+
 def test_rounds_interleave_the_paths(tmp_path, monkeypatch):
     """--rounds 2: every vLLM path's server twice, the paths in turn (A B A
     B), each tagged with its round; llama.cpp's server once."""
@@ -683,11 +693,7 @@ def test_rounds_interleave_the_paths(tmp_path, monkeypatch):
 
     from engine import run
 
-    models = tmp_path / "models"
-    (models / "glm5-tp8").mkdir(parents=True)
-    (models / "glm5-tp8" / "build.json").write_text(json.dumps(
-        {"files": {"q4_k_m": {"file": "f.gguf", "bytes": 1, "types": {"Q4_K": 1}}},
-         "seconds": {"convert_f16": 1.0}, "spec": {}}))
+    models = _built_q4_k_m(tmp_path)
     args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
                               quick=False, budget_s=float("inf"), models=str(models), rounds=2)
     plan = wl.plan(False, [("glm5-tp8", "q4_k_m")],
@@ -708,6 +714,93 @@ def test_rounds_interleave_the_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "llama", lambda *a: started.append(("llama.cpp", None)))
     runner.run()
     assert [r for _, r in started] == [None] * 3 and "rounds" not in runner.data.env
+
+
+def test_start_together_starts_a_files_servers_at_once(tmp_path, monkeypatch):
+    """--start-together 8: both vLLM servers of the file start before the
+    first is measured, each with an 8 GiB KV cache and vLLM's start check at
+    5 %; each is measured in turn and stopped, the GPU's memory awaited
+    after the last only; llama.cpp after them, alone; the record says how
+    the servers ran and holds no GPU memory figure."""
+    import argparse
+
+    from engine import run
+
+    events, fails = [], set()
+
+    class FakeServer:
+        def __init__(self, cmd, env, log, health):
+            self.cmd, self.backend = cmd, cmd[cmd.index("--attention-backend") + 1]
+            events.append(("start", self.backend))
+
+        def wait_ready(self, timeout, limit):
+            events.append(("ready", self.backend))
+            if self.backend in fails:
+                raise RuntimeError("server exited (1):\nout of memory")
+            return {"TRITON_MLA_SPARSE": 210.0, "FLASHMLA_SPARSE": 190.0}[self.backend]
+
+        def text(self):
+            return VLLM_LOG
+
+        def stop(self, wait_gpu=True):
+            events.append(("stop", self.backend, wait_gpu))
+
+    monkeypatch.setattr(run, "Server", FakeServer)
+    monkeypatch.setattr(run, "gpu_mib", lambda: pytest.fail("GPU memory read with servers up"))
+    models = _built_q4_k_m(tmp_path)
+    args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
+                              quick=False, budget_s=float("inf"), models=str(models), rounds=1,
+                              start_together=8.0)
+    plan = wl.plan(False, [("glm5-tp8", "q4_k_m")], ["triton-fp16", "flashmla-bf16", "llama.cpp"],
+                   ["single-4k", "concurrent-8"])
+    runner = run.Runner(args, plan)
+    monkeypatch.setattr(runner, "bench", lambda w, port, hf, inputs, tag:
+                        events.append(("bench", inputs["path"], w.name)))
+    monkeypatch.setattr(runner, "llama", lambda *a: events.append(("llama.cpp",)))
+    assert runner.run() == 0
+    # both waited for, side by side, before anything is measured
+    assert sorted(events[:4]) == [("ready", "FLASHMLA_SPARSE"), ("ready", "TRITON_MLA_SPARSE"),
+                                  ("start", "FLASHMLA_SPARSE"), ("start", "TRITON_MLA_SPARSE")]
+    assert events[:2] == [("start", "TRITON_MLA_SPARSE"), ("start", "FLASHMLA_SPARSE")]
+    assert events[4:] == [
+        ("bench", "triton-fp16", "single-4k"), ("bench", "triton-fp16", "concurrent-8"),
+        ("stop", "TRITON_MLA_SPARSE", False),
+        ("bench", "flashmla-bf16", "single-4k"), ("bench", "flashmla-bf16", "concurrent-8"),
+        ("stop", "FLASHMLA_SPARSE", True), ("llama.cpp",)]
+    servers = [r for r in runner.data.rows if r["table"] == "servers"]
+    assert [r["inputs"]["path"] for r in servers] == ["triton-fp16", "flashmla-bf16"]
+    # each server's own start, not the wait behind the other's workloads
+    assert [r["figures"]["start_s"] for r in servers] == [210.0, 190.0]
+    for r in servers:
+        assert "--kv-cache-memory-bytes 8589934592 --gpu-memory-utilization 0.05" in (
+            r["figures"]["command"])
+        assert r["figures"]["gpu_mib_ready"] is None and r["figures"]["gpu_mib_peak"] is None
+    assert runner.data.env["start_together_kv_cache_gib"] == 8.0
+    assert any(n.startswith("Started together (--start-together 8)") for n in runner.data.notes)
+    # a server that does not start: noted, the other measured, both stopped
+    fails.add("TRITON_MLA_SPARSE")
+    events[:] = []
+    runner = run.Runner(args, plan)
+    monkeypatch.setattr(runner, "bench", lambda w, port, hf, inputs, tag:
+                        events.append(("bench", inputs["path"], w.name)))
+    monkeypatch.setattr(runner, "llama", lambda *a: None)
+    assert runner.run() == 1
+    assert [e for e in events if e[0] in ("bench", "stop")] == [
+        ("stop", "TRITON_MLA_SPARSE", False), ("bench", "flashmla-bf16", "single-4k"),
+        ("bench", "flashmla-bf16", "concurrent-8"), ("stop", "FLASHMLA_SPARSE", True)]
+    assert any(n.startswith("glm5-tp8 q4_k_m triton-fp16: RuntimeError: server exited (1)")
+               for n in runner.data.notes)
+    # alone (the default): vLLM's own memory share, no such flags
+    alone = wl.vllm_serve(wl.PATHS["triton-fp16"], Path("f.gguf"), Path("hf"), 8000, 5120)
+    assert "--kv-cache-memory-bytes" not in alone and "--gpu-memory-utilization" not in alone
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "nan"])
+def test_start_together_needs_a_kv_cache_size(value):
+    r = subprocess.run([sys.executable, str(BENCH / "bench_engine.py"), "run",
+                        "--start-together", value],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--start-together" in r.stderr
 
 
 def test_rounds_render_their_medians_and_ranges(tmp_path):

@@ -4,6 +4,9 @@
 turn (never two at once; with --rounds, the paths again in the same
 order), each workload against it (a warm-up invocation, then the measured
 one), the server's own figures from its log, GPU memory from nvidia-smi.
+With --start-together, a file's vLLM servers start at once, each with a
+KV cache of that size, and are measured in turn while the others wait
+idle: one start's wait for all of them, where device time is short.
 The data file is rewritten after every workload, so a run cut short
 (device time, --budget-s) keeps what it measured."""
 
@@ -19,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchdata import BenchData, environment, portable_path, results_dir
@@ -115,7 +119,8 @@ class Server:
         raise RuntimeError(f"server not ready in {timeout:.0f} s ({limit}):\n"
                            f"{self.log_path.read_text()[-6000:]}")
 
-    def stop(self) -> None:
+    def stop(self, wait_gpu: bool = True) -> None:
+        """wait_gpu: until the GPU's memory is back (no other server up)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -125,7 +130,7 @@ class Server:
                 self.proc.wait()
         self.log.close()
         # the GPU's memory back before the next server starts
-        for _ in range(30):
+        for _ in range(30 if wait_gpu else 0):
             m = gpu_mib()
             if m is None or m < 2048:
                 break
@@ -152,11 +157,24 @@ class Runner:
         self.rounds = getattr(args, "rounds", 1) or 1
         if self.rounds > 1:
             env["rounds"] = self.rounds
+        # --start-together: the KV cache of each server, GiB (None: alone)
+        self.kv_cache_gib = getattr(args, "start_together", None)
+        if self.kv_cache_gib is not None:
+            env["start_together_kv_cache_gib"] = self.kv_cache_gib
         self.data = BenchData("engine", env)
         self.data.notes.append(
             "Paths: " + "; ".join(f"`{p}`: {wl.PATHS[p].about}" if p in wl.PATHS else
                                   f"`{p}`: llama-server (CUDA, built from the pinned source), "
                                   "same client" for p in plan["paths"]))
+        if self.kv_cache_gib is not None:
+            self.data.notes.append(
+                f"Started together (--start-together {self.kv_cache_gib:g}): a file's vLLM "
+                "servers started at once, each with a KV cache of "
+                f"{self.kv_cache_gib:g} GiB (--kv-cache-memory-bytes; "
+                "--gpu-memory-utilization 0.05, the free memory vLLM asks for at start), "
+                "then measured one at a time, the others idle. Their KV tokens and 32k "
+                "sequences are of that cache, their start times those of concurrent "
+                "starts; GPU memory is not measured.")
         self.folder = results_dir(env.get("card", "unknown-card"), args.results)
         self.max_len = wl.max_model_len(plan["workloads"])
         # the longest server start of this run: a server the budget left
@@ -229,9 +247,33 @@ class Runner:
 
     def vllm(self, path: str, name: str, gtype: str, gguf: Path, hf: Path,
              round_: int | None = None) -> None:
+        self.measure(self.start(path, name, gtype, gguf, hf, round_))
+
+    def together(self, paths: list[str], name: str, gtype: str, gguf: Path, hf: Path,
+                 round_: int | None = None) -> None:
+        """--start-together: every vLLM path's server on this file at once,
+        then each measured in turn while the others wait idle."""
+        started = []
+        try:
+            for path in paths:
+                started.append(self.start(path, name, gtype, gguf, hf, round_))
+            # each server's own time to ready, waited for side by side
+            with ThreadPoolExecutor(len(started)) as pool:
+                for one in started:
+                    one["ready"] = pool.submit(self.started, one["server"])
+            for i, one in enumerate(started):
+                self.measure(one, last=i == len(started) - 1)
+        finally:
+            for one in started:
+                if not one.get("stopped"):  # a start or a wait that raised
+                    one["server"].stop(wait_gpu=one is started[-1])
+
+    def start(self, path: str, name: str, gtype: str, gguf: Path, hf: Path,
+              round_: int | None) -> dict:
         p = wl.PATHS[path]
         port = free_port()
-        cmd = wl.vllm_serve(p, gguf, hf, port, self.max_len, python=sys.executable)
+        cmd = wl.vllm_serve(p, gguf, hf, port, self.max_len, python=sys.executable,
+                            kv_cache_gib=self.kv_cache_gib)
         env = wl.vllm_env(p, dict(os.environ), REPORT_SM)
         tag = f"{name}-{gtype}-{path}" + (f"-round{round_}" if round_ else "")
         log = self.work / f"{tag}.log"
@@ -240,32 +282,43 @@ class Runner:
             inputs["round"] = round_
         print(f"[bench-engine] start {path} on {gguf.name}"
               + (f" (round {round_})" if round_ else ""), flush=True)
-        server = Server(cmd, env, log, f"http://127.0.0.1:{port}/health")
+        return {"path": p, "port": port, "cmd": cmd, "tag": tag, "log": log, "hf": hf,
+                "inputs": inputs, "what": f"{name} {gtype} {path}",
+                "server": Server(cmd, env, log, f"http://127.0.0.1:{port}/health")}
+
+    def measure(self, one: dict, last: bool = True) -> None:
+        """Wait for a started server, record its start, run its workloads,
+        stop it (GPU memory is measured only with no other server up)."""
+        p, server, inputs = one["path"], one["server"], one["inputs"]
+        alone = self.kv_cache_gib is None
         peak = Peak()
         try:
-            start_s = self.started(server)
-            ready = gpu_mib()
-            peak.start()
+            start_s = one["ready"].result() if "ready" in one else self.started(server)
+            ready = gpu_mib() if alone else None
+            if alone:
+                peak.start()
             figures = parse.vllm_log(server.text())
             shown_env = {k: v for k, v in p.env.items()}
             if p.report_sm:
                 shown_env["PYTHONPATH"] = "tests/e2e/report_sm"
             srow = dict(figures, start_s=round(start_s, 1), gpu_mib_ready=ready,
-                        command=_shown(cmd, shown_env))
+                        command=_shown(one["cmd"], shown_env))
             self.data.row("servers", inputs, **srow)
             row = self.data.rows[-1]["figures"]
-            for w in wl.path_workloads(self.plan, path):
-                if self.skip(f"{name} {gtype} {path} {w.name}"):
+            for w in wl.path_workloads(self.plan, p.name):
+                if self.skip(f"{one['what']} {w.name}"):
                     break
-                self.bench(w, port, hf, inputs, tag)
+                self.bench(w, one["port"], one["hf"], inputs, one["tag"])
             row["gpu_mib_peak"] = peak.peak
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            self.data.notes.append(f"{name} {gtype} {path}: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''} (log: {log.name})")
-            print(f"[bench-engine] FAILED {path}: {e}", flush=True)
+            self.data.notes.append(f"{one['what']}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''} "
+                                   f"(log: {one['log'].name})")
+            print(f"[bench-engine] FAILED {p.name}: {e}", flush=True)
         finally:
             peak.stop.set()
-            server.stop()
+            server.stop(wait_gpu=last)
+            one["stopped"] = True
             self.save()
 
     def llama(self, name: str, gtype: str, gguf: Path, hf: Path) -> None:
@@ -332,10 +385,18 @@ class Runner:
                                       if k != "total_last_build"),
                           spec=info["spec"])
             for r in range(1, self.rounds + 1):
+                round_ = r if self.rounds > 1 else None
+                vllm_paths = [p for p in self.plan["paths"] if p != wl.LLAMA_CPP]
+                if self.kv_cache_gib is not None and vllm_paths:
+                    what = f"{name} {gtype} {', '.join(vllm_paths)}" + (
+                        f" round {r}" if round_ else "")
+                    if not self.skip(what, self.longest_start):
+                        self.together(vllm_paths, name, gtype, gguf, hf, round_)
                 for path in self.plan["paths"]:
                     if path == wl.LLAMA_CPP and r > 1:
                         continue  # llama-bench repeats on its own
-                    round_ = r if self.rounds > 1 else None
+                    if path != wl.LLAMA_CPP and self.kv_cache_gib is not None:
+                        continue  # started together above
                     what = f"{name} {gtype} {path}" + (f" round {r}" if round_ else "")
                     if self.skip(what, self.longest_start):
                         continue

@@ -140,15 +140,22 @@ def max_model_len(workloads: list[Workload], block: int = 1024) -> int:
 
 
 def vllm_serve(path: VllmPath, gguf: Path, hf: Path, port: int, max_len: int,
-               python: str = "python3") -> list[str]:
+               python: str = "python3", kv_cache_gib: float | None = None) -> list[str]:
     """`vllm serve` for one path (the module entry point of the installed
-    wheel: the same code as the `vllm` script)."""
+    wheel: the same code as the `vllm` script). kv_cache_gib: a KV cache of
+    that size instead of vLLM's share of the GPU's memory (servers started
+    together: vLLM's memory profiling would count the others' memory), with
+    5 % of the GPU's memory free at start, vLLM's check."""
+    together = [] if kv_cache_gib is None else [
+        "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))),
+        "--gpu-memory-utilization", "0.05"]
     return [
         python, "-m", "vllm.entrypoints.cli.main", "serve", str(gguf),
         "--hf-config-path", str(hf), "--tokenizer", str(hf),
         "--served-model-name", SERVED_NAME,
         *path.args,
         "--max-model-len", str(max_len),
+        *together,
         "--host", "127.0.0.1", "--port", str(port),
         "--seed", str(SEED),
     ]
