@@ -421,12 +421,54 @@ def test_bench_serve_command_line():
         "--random-input-len", "2048", "--random-output-len", "512", "--random-range-ratio", "0",
         "--num-prompts", "64", "--max-concurrency", "32", "--request-rate", "inf",
         "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,90,99", "--seed", "0", "--num-warmups", "0",
+        "--metric-percentiles", "50,90,99", "--seed", "1008", "--num-warmups", "0",
         "--disable-tqdm", "--save-result", "--result-dir", "/res", "--result-filename", "x.json"]
     warm = wl.bench_serve(w, 8123, HF, Path("/res"), "w.json", warmup=True, python="py")
-    assert warm[warm.index("--seed") + 1] == "1000"  # other prompts: no prefix-cache hit
     assert warm[warm.index("--num-prompts") + 1] == "32"
     assert warm[warm.index("--random-output-len") + 1] == "16"
+
+
+def _prompt_starts(seed: int, w: wl.Workload, prompts: int, vocab: int) -> set[int]:
+    """Where the random dataset starts each prompt (vLLM's own sampling of
+    lengths and offsets; generate_token_sequence starts prompt i at
+    offset_i + i): equal starts are equal prompts up to the shorter one's
+    length, which a server's prefix cache serves."""
+    import numpy as np
+    from vllm.benchmarks.datasets.utils import get_sampling_params
+
+    class Tokenizer:
+        vocab_size = vocab
+
+        def num_special_tokens_to_add(self):
+            return 0
+
+    _, _, offsets = get_sampling_params(np.random.default_rng(seed), prompts, 0.0,
+                                        w.input_len, w.output_len, Tokenizer())
+    return {(int(o) + i) % vocab for i, o in enumerate(offsets)}
+
+
+def test_no_workload_repeats_another_ones_prompts():
+    """A server runs a run's workloads one after the other with prefix
+    caching on. Under one seed every workload's prompt i started at the same
+    token: a 16k prefill after a 32k single stream was served from the cache
+    (12-06f). Each invocation now has its own prompts: over the whole
+    matrix, warm-ups included, at most a stray start in common (GLM-5's
+    vocabulary; the record's cache-hit column shows any)."""
+    pytest.importorskip("vllm")
+    invocations = [(w, warm) for w in wl.WORKLOADS.values() for warm in (True, False)]
+    seeds = [wl.prompt_seed(w, warm) for w, warm in invocations]
+    assert len(set(seeds)) == len(seeds)
+    seen: dict[int, int] = {}
+    for w, warm in invocations:
+        n = w.warmup_prompts if warm else w.num_prompts
+        for start in _prompt_starts(wl.prompt_seed(w, warm), w, n, 154_880):
+            seen[start] = seen.get(start, 0) + 1
+    assert sum(seen.values()) == sum(w.num_prompts + w.warmup_prompts
+                                     for w in wl.WORKLOADS.values())
+    assert sum(c - 1 for c in seen.values()) <= 2
+    # what one seed for all did: every workload's first prompts start alike
+    firsts = [min(_prompt_starts(0, w, 1, 154_880)) for w in wl.WORKLOADS.values()]
+    assert len(set(firsts)) == 1
 
 
 def test_bench_serve_arguments_parse_with_vllms_parser():
@@ -503,6 +545,22 @@ def test_parse_bench_serve_result():
     assert p["prefill_tok_s"] == pytest.approx(8192.0)
 
 
+METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries, in queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="bench"} 135168.0
+vllm:prefix_cache_queries_total{engine="1",model_name="bench"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="bench"} 1.7e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 4096.0
+vllm:prefix_cache_hits_total{engine="1",model_name="bench"} 24.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="bench"} 999.0
+"""
+
+
+def test_parse_prefix_cache_counters():
+    assert parse.prefix_cache(METRICS) == {"queries": 136168.0, "hits": 4120.0}
+    assert parse.prefix_cache("# llama-server\nllamacpp:prompt_tokens_total 10\n") is None
+
+
 def test_each_workload_is_saved_as_it_ends(tmp_path, monkeypatch):
     """A run cut short after a workload (device time, a lost machine) keeps
     that workload's figures, not only those of servers that ended."""
@@ -520,16 +578,29 @@ def test_each_workload_is_saved_as_it_ends(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(run.subprocess, "run", fake_bench_serve)
+    # the server's counters: read before the measured invocation and after
+    counters = iter([{"queries": 1000.0, "hits": 10.0}, {"queries": 132072.0, "hits": 2058.0},
+                     None, None])
+    monkeypatch.setattr(run, "prefix_cache", lambda port: next(counters))
     args = argparse.Namespace(work=str(tmp_path / "work"), results=str(tmp_path / "results"),
                               quick=True, budget_s=float("inf"))
     plan = wl.plan(True, None, ["triton-fp16"], ["concurrent-32"])
     runner = run.Runner(args, plan)
-    runner.bench(wl.WORKLOADS["concurrent-32"], 8000, tmp_path / "hf",
-                 {"checkpoint": "glm5-tp8", "type": "q4_k_m", "path": "triton-fp16"}, "tag")
-    _, rows = read(runner.folder / "engine.jsonl")
-    assert [(r["table"], r["inputs"]["workload"]) for r in rows] == [("serve", "concurrent-32")]
-    assert rows[0]["figures"]["output_tok_s"] == 1598.4
-    assert (runner.folder / "engine.md").is_file()
+    for path in ("triton-fp16", "llama.cpp"):
+        runner.bench(wl.WORKLOADS["concurrent-32"], 8000, tmp_path / "hf",
+                     {"checkpoint": "glm5-tp8", "type": "q4_k_m", "path": path}, "tag")
+        _, rows = read(runner.folder / "engine.jsonl")
+        assert [r["inputs"]["workload"] for r in rows if r["table"] == "serve"] == \
+            ["concurrent-32"] * len(rows)
+    assert [r["figures"]["output_tok_s"] for r in rows] == [1598.4, 1598.4]
+    assert (rows[0]["figures"]["prefix_cache_query_tokens"],
+            rows[0]["figures"]["prefix_cache_hit_tokens"]) == (131072.0, 2048.0)
+    assert "prefix_cache_hit_tokens" not in rows[1]["figures"]  # no counters: not measured
+    md = (runner.folder / "engine.md").read_text()
+    assert "| 0 |" in md and "| 1.6 | 0 |" in md
+    assert "**Prefix-cache hits** in glm5-tp8 q4_k_m triton-fp16 concurrent-32:" in md
+    assert "every workload and warm-up its own prompts" in md and "≤" not in md
+    assert "llama.cpp concurrent-32:" not in md
 
 
 def test_a_server_the_budget_cannot_wait_for_is_not_started(tmp_path):
@@ -661,7 +732,8 @@ def test_record_reads_back_and_renders(tmp_path):
     assert ("| glm5-tp8 q4_k_m | triton-fp16 | TRITON_MLA_SPARSE | triton | 3.52 | 118.75 | "
             "16,550,912 | 7704 | 505.1 | 130000 | 95 |") in md
     assert ("| glm5-tp8 q4_k_m | concurrent-32 | triton-fp16 | 2000.0 | 7992.2 | 1.25 | 290.0 | "
-            "420.5 | 18.90 | 35.25 | 52.1 |  | 0 |") in md
+            "420.5 | 18.90 | 35.25 | 52.1 |  |  | 0 |") in md
+    assert "Prefix-cache hits" not in md  # not measured: no claim
     assert "| glm5-tp8 q4_k_m | concurrent-32 | flashmla-bf16 | 1600.0 | 7992.2 |  |" in md
     assert "| glm5-tp8 q4_k_m | concurrent-32 | llama.cpp | 800.0 | 7992.2 | 0.50 |" in md
     assert "| glm5-tp8 q4_k_m | pp16384 | 5123.4 | 12.5 |" in md
@@ -674,6 +746,36 @@ def test_record_reads_back_and_renders(tmp_path):
     lines[-2] = json.dumps(row)
     path.write_text("\n".join(lines) + "\n")
     assert record.render(tmp_path, check=True)
+
+
+def test_older_runs_show_what_shared_prompts_could_serve():
+    """Records of runs with one seed for all workloads: the share of a
+    workload's prompt tokens that earlier workloads of the same server had
+    computed, marked as not measured; none for a server's first workload, a
+    workload with its own seed, or llama.cpp."""
+    def row(path, name, seed, rnd=None):
+        w = wl.WORKLOADS[name]
+        i = {"checkpoint": "glm5-tp8", "type": "q4_k_m", "path": path, "workload": name,
+             "kind": w.kind, "input_len": w.input_len, "num_prompts": w.num_prompts}
+        if rnd:
+            i["round"] = rnd
+        return i, {"command": f"vllm bench serve --random-input-len {w.input_len} "
+                              f"--seed {seed} --num-warmups 0"}
+
+    serve = [row("triton-fp16", "prefill-16k", 0), row("triton-fp16", "concurrent-32", 0),
+             row("triton-fp16", "single-4k", 0), row("flashmla-bf16", "single-4k", 0),
+             row("triton-fp16", "single-32k", 1010), row("llama.cpp", "prefill-16k", 0),
+             row("llama.cpp", "single-4k", 0), row("triton-fp16", "single-4k", 0, rnd=2)]
+    shares = record.shared_prompts(serve)
+    # 3 of 64 prompts began as the 16k ones (2048 tokens each, less the last
+    # block); the three 4k prompts are the 16k ones' beginnings
+    assert shares == {1: pytest.approx(100 * 3 * 1984 / (64 * 2048)),
+                      2: pytest.approx(100 * 4032 / 4096)}
+    md = record.engine_md({"env": FAKE_ENV}, [
+        {"table": "serve", "inputs": dict(i, output_len=1, concurrency=1), "figures": f}
+        for i, f in serve[:3]])
+    assert "prompts drawn with one seed" in md and "| ≤ 98.4 |" in md
+    assert "every workload and warm-up its own prompts" not in md
 
 
 def _built_q4_k_m(tmp_path: Path) -> Path:

@@ -121,6 +121,24 @@ def llama_bench(text: str) -> list[dict]:
             for r in rows]
 
 
+# vLLM's Prometheus counters of its prefix cache, in prompt tokens
+# (v1/metrics/loggers.py), one sample per engine
+_PREFIX_CACHE = re.compile(
+    r"^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def prefix_cache(text: str) -> dict | None:
+    """Prompt tokens looked up in and served from vLLM's prefix cache so
+    far, summed over engines, from the server's /metrics text; None where
+    the counters are absent (llama-server, prefix caching off)."""
+    found = {"queries": 0.0, "hits": 0.0}
+    seen = False
+    for kind, value in _PREFIX_CACHE.findall(text):
+        found[kind] += float(value)
+        seen = True
+    return found if seen else None
+
+
 def nvidia_smi_mib(text: str) -> float | None:
     """Memory used (MiB) from `nvidia-smi --query-gpu=memory.used
     --format=csv,noheader,nounits` (first GPU)."""

@@ -13,7 +13,8 @@ record, then one row per measured case) with these tables:
   memory, start seconds, command;
 - ``serve``: one workload against one server (`vllm bench serve`): output
   and total tok/s, TTFT / TPOT / ITL percentiles, per-stream and prefill
-  tok/s, command;
+  tok/s, the prompt tokens the prefix cache was asked for and served
+  (vLLM's /metrics), command;
 - ``llama_bench``: llama.cpp's own tool on the file (pp / tg at depth).
 
 ``engine.md`` is rendered from it, next to it (bench/render.py's style:
@@ -24,6 +25,7 @@ per (file, path, scenario), rendered to ``engine_profile.md``.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -77,19 +79,65 @@ def across_rounds(serve: list[tuple[dict, dict]]) -> list[str]:
     return [*out, ""]
 
 
+def _hit_pct(f: dict) -> float | None:
+    q = f.get("prefix_cache_query_tokens")
+    return 100.0 * f["prefix_cache_hit_tokens"] / q if q else None
+
+
+_SEED = re.compile(r"--seed (\d+)")
+# the KV cache's block: vLLM serves whole blocks of a prompt, never its last token
+KV_BLOCK = 64
+
+
+def shared_prompts(serve: list[tuple[dict, dict]]) -> dict[int, float]:
+    """Runs before each workload had its own seed: per row index, the share
+    of a vLLM workload's prompt tokens that earlier workloads of the same
+    server and seed had computed (the random dataset started prompt i of
+    every workload at the same token). Nothing evicted assumed: an upper
+    bound. Rows with measured counters or their own seed are left out."""
+    done: dict[tuple, list[tuple[int, int, str]]] = {}
+    shares = {}
+    for k, (i, f) in enumerate(serve):
+        if i["path"] == "llama.cpp":
+            continue
+        seed = _SEED.search(f.get("command", ""))
+        if not seed:
+            continue
+        server = (i["checkpoint"], i["type"], i["path"], i.get("round"))
+        before = done.setdefault(server, [])
+        n, length = i["num_prompts"], i["input_len"]
+        if "prefix_cache_query_tokens" not in f:
+            cached = 0
+            for j in range(n):
+                common = max((min(length, n2_len) for n2, n2_len, s in before
+                              if s == seed[1] and j < n2), default=0)
+                cached += min(common, length - 1) // KV_BLOCK * KV_BLOCK
+            if cached:
+                shares[k] = 100.0 * cached / (n * length)
+        before.append((n, length, seed[1]))
+    return shares
+
+
 def engine_md(run: dict, rows: list[dict]) -> str:
     out = ["# Engine: `vllm serve` under `vllm bench serve`, peers in the same run", ""]
     out += [*header(run), ""]
     env = run["env"]
     if env.get("quick"):
         out += ["**Quick run** (`--quick`): a subset of files, paths and workloads.", ""]
+    seeds = {m[1] for r in rows if r["table"] == "serve"
+             if (m := _SEED.search(r["figures"].get("command", "")))}
+    prompts = ("every measured workload's prompts drawn with one seed (≤ below; runs since "
+               "give each workload its own)" if seeds == {"0"} else
+               "every workload and warm-up its own prompts. Cache hit %: the measured prompt "
+               "tokens vLLM's prefix cache served (the server's /metrics before and after)")
     out += [
         ("Checkpoints: random weights at one tensor-parallel rank's shapes of the real models "
          "(bench/engine/spec.py), a few layers each: figures are the slice's, not the whole "
          "model's. Each workload: `vllm bench serve`, random dataset, greedy, EOS ignored, "
-         "after a warm-up invocation on other prompts that is not counted. CUDA graphs on, "
-         "vLLM's defaults otherwise. × upstream = this path's figure / FLASHMLA_SPARSE bf16's "
-         "on the same file and workload (throughput: higher is better; TTFT: lower)."),
+         f"after a warm-up invocation on other prompts that is not counted; {prompts}. "
+         "CUDA graphs on, vLLM's defaults otherwise. × upstream = this path's figure / "
+         "FLASHMLA_SPARSE bf16's on the same file and workload (throughput: higher is better; "
+         "TTFT: lower)."),
         "",
     ]
     files = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "files"]
@@ -139,21 +187,38 @@ def engine_md(run: dict, rows: list[dict]) -> str:
                 return ""
             return f"{f[key] / p[key]:.2f}"
 
+        shared = shared_prompts(serve)
+
+        def hits(k: int, f: dict) -> str:
+            return f"≤ {shared[k]:.1f}" if k in shared else fmt(_hit_pct(f), ".1f")
+
         out += ["## Workloads", ""]
         out += table(
             ["file", "workload", "path", "output tok/s", "total tok/s", "× upstream",
              "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s per stream",
-             "prefill tok/s", "failed"],
-            "lllrrrrrrrrrr",
+             "prefill tok/s", "cache hit %", "failed"],
+            "lllrrrrrrrrrrr",
             [[f"{i['checkpoint']} {i['type']}", i["workload"], path_of(i),
               fmt(f.get("output_tok_s"), ".1f"), fmt(f.get("total_tok_s"), ".1f"),
               ratio(i, f, "prefill_tok_s" if i["kind"] == "prefill" else "output_tok_s"),
               fmt(f.get("ttft_p50_ms"), ".1f"), fmt(f.get("ttft_p99_ms"), ".1f"),
               fmt(f.get("itl_p50_ms"), ".2f"), fmt(f.get("itl_p99_ms"), ".2f"),
               fmt(f.get("decode_tok_s_per_stream"), ".1f"), fmt(f.get("prefill_tok_s"), ".0f"),
-              str(f.get("failed", ""))] for i, f in serve],
+              hits(k, f), str(f.get("failed", ""))] for k, (i, f) in enumerate(serve)],
         )  # fmt: skip
         out.append("")
+        if shared:
+            out += [("≤: not measured. In this run every workload drew its prompts with one "
+                     "seed, so prompt i of a workload began as prompt i of every other; the "
+                     "figure is the share of its prompt tokens that earlier workloads on the "
+                     "same server had computed, which the prefix cache could serve (none "
+                     "evicted assumed). Those workloads' TTFT, prefill and throughput figures "
+                     "are not of prompts computed in full."), ""]
+        hit = [f"{i['checkpoint']} {i['type']} {path_of(i)} {i['workload']}"
+               for i, f in serve if f.get("prefix_cache_hit_tokens")]
+        if hit:
+            out += [("**Prefix-cache hits** in " + "; ".join(hit) + ": their TTFT and "
+                     "prefill figures are not those of prompts computed in full."), ""]
         if rounds:
             out += across_rounds(serve)
     lb = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "llama_bench"]

@@ -53,6 +53,16 @@ def gpu_mib() -> float | None:
     return parse.nvidia_smi_mib(out)
 
 
+def prefix_cache(port: int) -> dict | None:
+    """The server's prefix-cache counters (parse.prefix_cache), None where
+    it has none or does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return parse.prefix_cache(r.read().decode())
+    except OSError:
+        return None
+
+
 class Peak(threading.Thread):
     """GPU memory used, sampled every second; ``peak`` the largest."""
 
@@ -228,6 +238,7 @@ class Runner:
             fname = f"{tag}-{w.name}{'-warmup' if warm else ''}.json"
             cmd = wl.bench_serve(w, port, hf, rdir, fname, warmup=warm, python=py)
             print(f"[bench-engine] {tag} {w.name}{' (warm-up)' if warm else ''}", flush=True)
+            before = None if warm else prefix_cache(port)
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT)
             (rdir / (fname + ".log")).write_text(r.stdout + r.stderr)
             if r.returncode:
@@ -235,6 +246,11 @@ class Runner:
                                    f"{(r.stdout + r.stderr)[-4000:]}")
         result = json.loads((rdir / fname).read_text())
         figures = parse.bench_serve(result, w)
+        # prompt tokens the prefix cache served: none, unless prompts repeat
+        after = prefix_cache(port)
+        if before and after:
+            figures["prefix_cache_query_tokens"] = after["queries"] - before["queries"]
+            figures["prefix_cache_hit_tokens"] = after["hits"] - before["hits"]
         figures["command"] = _shown(cmd)
         self.data.row("serve", {**inputs, "workload": w.name, "kind": w.kind,
                                 "input_len": w.input_len, "output_len": w.output_len,

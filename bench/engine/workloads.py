@@ -8,9 +8,13 @@ One variable at a time: within a run every vLLM path starts with the same
 arguments but the ones that define the path (backend, dtype, the indexer's
 switch, the reported SM), on the same GGUF file, with the same max model
 length; every workload is the same `vllm bench serve` invocation against
-each server (random dataset, fixed seed, greedy, EOS ignored). Warm-up:
-before each workload one short invocation with another seed (other prompts:
-no prefix-cache hit for the measured ones) whose figures are dropped.
+each server (random dataset, greedy, EOS ignored). Warm-up: before each
+workload one short invocation whose figures are dropped. Every workload and
+every warm-up has its own seed (``prompt_seed``): the random dataset starts
+prompt i at token ``offset_i + i`` with the offsets drawn from the seed, so
+under one seed prompt i of a shorter workload is a prefix of prompt i of a
+longer one, and the server's prefix cache would serve a later workload's
+prompts from an earlier one's.
 CUDA graphs and vLLM's defaults otherwise (prefix caching, chunked prefill,
 KV cache 0.9 of the GPU) are left as users get them.
 """
@@ -22,7 +26,6 @@ from pathlib import Path
 
 SERVED_NAME = "bench"
 SEED = 0
-WARMUP_SEED = 1000
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ WORKLOADS = {
     ]
 }
 QUICK_WORKLOADS = ["single-4k", "concurrent-32", "prefill-16k"]
+
+
+def prompt_seed(w: Workload, warmup: bool = False) -> int:
+    """The random dataset's seed of ``w``'s measured prompts, or of its
+    warm-up's: a different one for each (see the module's docstring)."""
+    return 1000 + 2 * list(WORKLOADS).index(w.name) + int(warmup)
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,7 @@ def bench_serve(w: Workload, port: int, hf: Path, result_dir: Path, result_file:
         "--num-prompts", str(prompts), "--max-concurrency", str(w.concurrency),
         "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--seed", str(WARMUP_SEED if warmup else SEED), "--num-warmups", "0",
+        "--seed", str(prompt_seed(w, warmup)), "--num-warmups", "0",
         "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
         "--result-filename", result_file,
     ]
