@@ -1,5 +1,6 @@
 """Render the end-to-end run record (E2E_RECORD, JSON lines written by
-test_engine.py and test_serve.py) as markdown tables: `python tests/e2e/record.py IN.jsonl OUT.md`.
+test_engine.py, test_serve.py, test_decode_batches.py and
+test_long_context.py) as markdown tables: `python tests/e2e/record.py IN.jsonl OUT.md`.
 The output is generated; notes about a run belong in tests/e2e/runs/<card>/<date>/NOTES.md."""
 
 from __future__ import annotations
@@ -100,11 +101,36 @@ def _decode_batches(rows: list[dict], first: dict) -> list[str]:
         "|---|---|---:|---|---:|---|---|---|", body, rows, first)
 
 
+def _long_figure(f) -> str:
+    if isinstance(f, dict):  # apart where the selection is active and where not
+        return f"{f['active']:.4f} / {f['all_keys']:.4f}"
+    return f"{f:.4f}"
+
+
+def _long_context(rows: list[dict], first: dict) -> list[str]:
+    """test_long_context.py's rows: index_topk 2048 at 8-12k tokens."""
+    body = [f"| {r['model']} | {r['gguf_type']} | {r['long_context']} | {r['run']} | "
+            f"{_long_figure(r['ours'])} | {_long_figure(r['peer'])} | "
+            + (_long_figure(r["ggml"]) if "ggml" in r else "")
+            + f" | {'yes' if r['passed'] else 'NO'} |" for r in rows]
+    return _section(
+        "Long context (index_topk 2048, prompts of 8,192 and 12,288 tokens)",
+        ("vs fp32: scale-free error against transformers fp32 on the file's weights, "
+         "positions that see more than 2048 keys / the others. Chunked prefill (1,536-token "
+         "steps) and a cached prefix: the scale-free distance each moves a path from its own "
+         "run in one step / without the cache. Bars: 1.5x the peer's (and ggml's kernels' "
+         "for the Q4_K_M runs), at least 0.002."),
+        "| model | GGUF | check | run | ours | peer | ggml's kernels | pass |",
+        "|---|---|---|---|---|---|---|---|", body, rows, first)
+
+
 def render(rows: list[dict]) -> str:
     serve = [r for r in rows if "serve" in r]
     batches = [r for r in rows if "decode_batch" in r]
-    rows = [r for r in rows if "serve" not in r and "decode_batch" not in r]
-    first = (rows or serve or batches)[0]
+    long = [r for r in rows if "long_context" in r]
+    rows = [r for r in rows
+            if "serve" not in r and "decode_batch" not in r and "long_context" not in r]
+    first = (rows or serve or batches or long)[0]
     # records written before the figures were split by top-k selection
     split = any("topk_active" in r.get("vs_transformers", {}) for r in rows)
     lines = [
@@ -172,7 +198,8 @@ def render(rows: list[dict]) -> str:
             + f"{_fig(r['vs_llama_cpp'])} | {mtp} | {_tp(r)} | "
             f"{r['start_s']} | {'yes' if r.get('passed') else 'NO'} |"
         )
-    return "\n".join(lines + _serve(serve, first) + _decode_batches(batches, first)) + "\n"
+    return "\n".join(lines + _serve(serve, first) + _decode_batches(batches, first)
+                     + _long_context(long, first)) + "\n"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ def test_committed_table_is_rendered_from_its_data(data):
 def _engine_rows() -> list[dict]:
     """A committed record's rows of test_engine.py alone."""
     rows = (json.loads(line) for line in RESULTS[0].read_text().splitlines() if line)
-    return [r for r in rows if "serve" not in r and "decode_batch" not in r]
+    return [r for r in rows
+            if "serve" not in r and "decode_batch" not in r and "long_context" not in r]
 
 
 def test_serve_rows_get_their_own_table():
@@ -64,6 +65,31 @@ def test_decode_batch_rows_get_their_own_table():
     later = render([row, {**row, "model": "glm52", "judged": "on CPU"}])
     assert "| 0.0411 / 0.0099 / 0.0544 | NO |\n| glm52 |" in later
     assert "| NO (judged after the run: on CPU) |" in later
+
+
+def test_long_context_rows_get_their_own_table():
+    """test_long_context.py's rows render apart, after the engine rows, a
+    failing one as such, and leave the engine table as it was."""
+    engine = _engine_rows()
+    long = [{"long_context": "vs fp32", "model": "glm5-long", "gguf_type": "f16",
+             "run": "fp16-whole", "ours": {"active": 0.00447, "all_keys": 0.00187},
+             "peer": {"active": 0.02742, "all_keys": 0.01862}, "passed": True},
+            {"long_context": "chunked prefill, generated tokens", "model": "glm5-long",
+             "gguf_type": "f16", "run": "fp16-chunked", "ours": 0.0313, "peer": 0.0180,
+             "passed": False},
+            {"long_context": "vs fp32", "model": "glm5-long", "gguf_type": "q4_k_m",
+             "run": "q4-ggml", "ours": {"active": 0.00633, "all_keys": 0.00306},
+             "peer": {"active": 0.04713, "all_keys": 0.04463},
+             "ggml": {"active": 0.00633, "all_keys": 0.00306}, "passed": True}]
+    text = render(engine[:1] + long[:1] + engine[1:] + long[1:])
+    assert text.startswith(render(engine).rstrip("\n"))
+    tail = text.split("## Long context", 1)[1]
+    assert ("| glm5-long | f16 | vs fp32 | fp16-whole | 0.0045 / 0.0019 | 0.0274 / 0.0186 |  "
+            "| yes |") in tail
+    assert ("| glm5-long | f16 | chunked prefill, generated tokens | fp16-chunked | 0.0313 | "
+            "0.0180 |  | NO |") in tail
+    assert "| q4-ggml | 0.0063 / 0.0031 | 0.0471 / 0.0446 | 0.0063 / 0.0031 | yes |" in tail
+    assert render(long).count("## Long context") == 1
 
 
 def test_rows_of_another_run_name_it():
