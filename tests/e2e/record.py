@@ -124,12 +124,19 @@ def _long_context(rows: list[dict], first: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|", body, rows, first)
 
 
+# the key that marks another test's row: test_serve.py's, test_decode_batches.py's,
+# test_long_context.py's (each its own table after the engine rows')
+OTHER_TESTS = ("serve", "decode_batch", "long_context")
+
+
+def engine_rows(rows: list[dict]) -> list[dict]:
+    """test_engine.py's rows of a record."""
+    return [r for r in rows if not any(key in r for key in OTHER_TESTS)]
+
+
 def render(rows: list[dict]) -> str:
-    serve = [r for r in rows if "serve" in r]
-    batches = [r for r in rows if "decode_batch" in r]
-    long = [r for r in rows if "long_context" in r]
-    rows = [r for r in rows
-            if "serve" not in r and "decode_batch" not in r and "long_context" not in r]
+    serve, batches, long = ([r for r in rows if key in r] for key in OTHER_TESTS)
+    rows = engine_rows(rows)
     first = (rows or serve or batches or long)[0]
     # records written before the figures were split by top-k selection
     split = any("topk_active" in r.get("vs_transformers", {}) for r in rows)

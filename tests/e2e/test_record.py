@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cases import CASES, HERE
-from record import render
+from record import engine_rows, render
 
 RESULTS = sorted((HERE / "results").glob("*/engine.jsonl"))
 
@@ -23,8 +23,7 @@ def test_committed_table_is_rendered_from_its_data(data):
 def _engine_rows() -> list[dict]:
     """A committed record's rows of test_engine.py alone."""
     rows = (json.loads(line) for line in RESULTS[0].read_text().splitlines() if line)
-    return [r for r in rows
-            if "serve" not in r and "decode_batch" not in r and "long_context" not in r]
+    return engine_rows(rows)
 
 
 def test_serve_rows_get_their_own_table():
