@@ -187,9 +187,9 @@ class Runner:
                 "starts; GPU memory is not measured.")
         self.folder = results_dir(env.get("card", "unknown-card"), args.results)
         self.max_len = wl.max_model_len(plan["workloads"])
-        # the longest server start of this run: a server the budget left
-        # cannot wait for is not started
-        self.longest_start = 0.0
+        # the longest start of each server (vLLM, llama-server) in this run:
+        # a server the budget left cannot wait for is not started
+        self.longest_start = {"vllm": 0.0, wl.LLAMA_CPP: 0.0}
 
     # -- bookkeeping --------------------------------------------------------
 
@@ -223,9 +223,9 @@ class Runner:
             return max(60.0, left), f"what --budget-s {self.args.budget_s:g} left"
         return START_TIMEOUT, "BENCH_ENGINE_START_TIMEOUT"
 
-    def started(self, server: Server) -> float:
+    def started(self, server: Server, kind: str = "vllm") -> float:
         start_s = server.wait_ready(*self.start_limit())
-        self.longest_start = max(self.longest_start, start_s)
+        self.longest_start[kind] = max(self.longest_start[kind], start_s)
         return start_s
 
     # -- one workload against a running server --------------------------------
@@ -343,7 +343,7 @@ class Runner:
         mine = wl.path_workloads(self.plan, wl.LLAMA_CPP)
         for group in wl.llama_server_groups(mine):
             if self.skip(f"{name} {gtype} llama.cpp {[w.name for w in group]}",
-                         self.longest_start):
+                         self.longest_start[wl.LLAMA_CPP]):
                 return
             slots, ctx = wl.llama_server_slots(group)
             port = free_port()
@@ -352,7 +352,7 @@ class Runner:
             print(f"[bench-engine] start llama-server -np {slots} -c {ctx}", flush=True)
             server = Server(cmd, dict(os.environ), log, f"http://127.0.0.1:{port}/health")
             try:
-                start_s = self.started(server)
+                start_s = self.started(server, wl.LLAMA_CPP)
                 figures = dict(parse.llama_server_log(server.text()), start_s=round(start_s, 1),
                                gpu_mib_ready=gpu_mib(), slots=slots, command=_shown(cmd))
                 self.data.row("servers", dict(inputs, slots=slots), **figures)
@@ -406,7 +406,7 @@ class Runner:
                 if self.kv_cache_gib is not None and vllm_paths:
                     what = f"{name} {gtype} {', '.join(vllm_paths)}" + (
                         f" round {r}" if round_ else "")
-                    if not self.skip(what, self.longest_start):
+                    if not self.skip(what, self.longest_start["vllm"]):
                         self.together(vllm_paths, name, gtype, gguf, hf, round_)
                 for path in self.plan["paths"]:
                     if path == wl.LLAMA_CPP and r > 1:
@@ -414,7 +414,8 @@ class Runner:
                     if path != wl.LLAMA_CPP and self.kv_cache_gib is not None:
                         continue  # started together above
                     what = f"{name} {gtype} {path}" + (f" round {r}" if round_ else "")
-                    if self.skip(what, self.longest_start):
+                    kind = wl.LLAMA_CPP if path == wl.LLAMA_CPP else "vllm"
+                    if self.skip(what, self.longest_start[kind]):
                         continue
                     if path == wl.LLAMA_CPP:
                         self.llama(name, gtype, gguf, hf)
