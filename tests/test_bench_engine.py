@@ -499,7 +499,7 @@ def test_llama_cpp_command_lines():
         "--port", "8123", "-ngl", "999", "-fa", "on", "-c", "81920", "-np", "32", "--seed", "0"]
     assert wl.llama_bench(Path("/b/llama-bench"), GG, q) == [
         ["/b/llama-bench", "-m", str(GG), "-ngl", "999", "-fa", "1", "-o", "json",
-         "-p", "16384", "-n", "0", "-r", "2"],
+         "-p", "16384", "-n", "0", "-ub", "512,2048", "-r", "2"],
         ["/b/llama-bench", "-m", str(GG), "-ngl", "999", "-fa", "1", "-o", "json",
          "-p", "0", "-n", "128", "-d", "4096", "-r", "2"]]
 
@@ -687,11 +687,18 @@ def test_parse_llama_server_and_bench():
     out = ('main: some log line\n[\n  {"build_commit": "0c1e570", '
            '"model_type": "glm-dsa ?B Q4_K - Medium",'
            ' "n_gpu_layers": 999, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ns": 1,'
-           ' "stddev_ns": 1, "avg_ts": 5123.4, "stddev_ts": 12.5},\n  {"n_prompt": 0, "n_gen": 128,'
-           ' "n_depth": 4096, "avg_ts": 88.1, "stddev_ts": 0.4}\n]\n')
+           ' "n_batch": 2048, "n_ubatch": 512, "stddev_ns": 1, "avg_ts": 5123.4,'
+           ' "stddev_ts": 12.5},\n  {"n_prompt": 16384, "n_gen": 0, "n_depth": 0,'
+           ' "n_ubatch": 2048, "avg_ts": 7001.0, "stddev_ts": 3.0},\n  {"n_prompt": 0,'
+           ' "n_gen": 128, "n_depth": 4096, "n_ubatch": 512, "avg_ts": 88.1,'
+           ' "stddev_ts": 0.4}\n]\n')
     rows = parse.llama_bench(out)
     assert rows[0]["tok_s"] == 5123.4 and rows[0]["n_prompt"] == 16384
-    assert (rows[1]["n_gen"], rows[1]["n_depth"], rows[1]["tok_s"]) == (128, 4096, 88.1)
+    assert (rows[1]["n_ubatch"], rows[1]["tok_s"]) == (2048, 7001.0)
+    assert (rows[2]["n_gen"], rows[2]["n_depth"], rows[2]["tok_s"]) == (128, 4096, 88.1)
+    # llama-bench's names, the prompt tests' micro-batch named
+    assert [parse.llama_bench_test(r) for r in rows] == [
+        "pp16384 ub512", "pp16384 ub2048", "tg128 @ d4096"]
     assert parse.nvidia_smi_mib("12345\n") == 12345.0
 
 

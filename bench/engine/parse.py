@@ -110,15 +110,24 @@ def llama_server_log(text: str) -> dict:
 
 def llama_bench(text: str) -> list[dict]:
     """llama-bench ``-o json``: one row per test (prompt tokens, generated
-    tokens, depth, tokens/s mean and stddev)."""
+    tokens, depth, micro-batch, tokens/s mean and stddev)."""
     start = text.find("[")
     if start < 0:
         raise ValueError("llama-bench printed no JSON array")
     rows = json.loads(text[start:text.rindex("]") + 1])
     return [{"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_depth": r.get("n_depth", 0),
-             "tok_s": r["avg_ts"], "tok_s_stddev": r["stddev_ts"],
+             "n_ubatch": r.get("n_ubatch"), "tok_s": r["avg_ts"], "tok_s_stddev": r["stddev_ts"],
              "type": r.get("model_type"), "n_gpu_layers": r.get("n_gpu_layers")}
             for r in rows]
+
+
+def llama_bench_test(row: dict) -> str:
+    """llama-bench's own name of a test (pp16384, tg128 @ d4096), with the
+    micro-batch of a prompt test (pp16384 ub2048)."""
+    name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+    if row["n_prompt"] and row.get("n_ubatch"):
+        name += f" ub{row['n_ubatch']}"
+    return name + (f" @ d{row['n_depth']}" if row["n_depth"] else "")
 
 
 # vLLM's Prometheus counters of its prefix cache, in prompt tokens

@@ -377,8 +377,7 @@ class Runner:
                                    timeout=max(60, min(BENCH_TIMEOUT, self.left())))
                 (self.work / f"{name}-{gtype}-llama-bench.log").write_text(r.stdout + r.stderr)
                 for row in parse.llama_bench(r.stdout):
-                    test = (f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}") + (
-                        f" @ d{row['n_depth']}" if row["n_depth"] else "")
+                    test = parse.llama_bench_test(row)
                     self.data.row("llama_bench", dict(inputs, test=test),
                                   tok_s=row["tok_s"], tok_s_stddev=row["tok_s_stddev"],
                                   command=_shown(cmd))

@@ -229,12 +229,15 @@ def llama_server_groups(workloads: list[Workload]) -> list[list[Workload]]:
 
 def llama_bench(binary: Path, gguf: Path, workloads: list[Workload]) -> list[list[str]]:
     """llama.cpp's own tool on the same file: prompt processing at each
-    prefill length, token generation at each single-stream context."""
+    prefill length, token generation at each single-stream context. Prompts
+    at llama.cpp's default micro-batch (512 tokens, what llama-server ran)
+    and at 2048, which users raise it to for prompt speed."""
     base = [str(binary), "-m", str(gguf), "-ngl", "999", "-fa", "1", "-o", "json"]
     cmds = []
     pp = [w.input_len for w in workloads if w.kind == "prefill"]
     if pp:
-        cmds.append([*base, "-p", ",".join(map(str, pp)), "-n", "0", "-r", "2"])
+        cmds.append([*base, "-p", ",".join(map(str, pp)), "-n", "0", "-ub", "512,2048",
+                     "-r", "2"])
     tg = [w.input_len for w in workloads if w.kind == "single"]
     if tg:
         cmds.append([*base, "-p", "0", "-n", "128", "-d", ",".join(map(str, tg)), "-r", "2"])
