@@ -50,7 +50,7 @@ from vllm.v1.attention.ops.triton_sparse_mla import (
 
 import harness
 from benchdata import BenchData, environment, results_dir
-from harness import POOL, SCALE, ceilings, input_sets, n_rotate, timed
+from harness import SCALE, ceilings, input_sets, n_rotate, timed
 from sm120_occupancy import available, shared_per_sm
 from sparse_mla_work import D_QK, D_V, TOPK, work
 from support.peers import (
@@ -115,7 +115,7 @@ def run_bench(data, args, op, copy_bw, mm_rate, picks, vt=None, pr=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     cap = torch.cuda.get_device_capability()
     pools = {
-        name: torch.randn(POOL, 1, D_QK, device="cuda", generator=gen).to(dt)
+        name: torch.randn(harness.POOL, 1, D_QK, device="cuda", generator=gen).to(dt)
         for name, dt in DTYPES.items()
     }
     for dname in args.dtypes:
@@ -408,6 +408,13 @@ def parse_args():
     ap.add_argument("--heads", nargs="+", type=int, default=H_LIST)
     ap.add_argument("--sq", nargs="+", type=int, default=SQ_LIST)
     ap.add_argument(
+        "--kv-rows",
+        type=int,
+        default=harness.POOL,
+        help="rows of the KV cache the timed calls gather from (the context; default "
+        f"{harness.POOL:,}); the accuracy rows keep 65,536",
+    )
+    ap.add_argument(
         "--sweep-part",
         nargs=2,
         type=int,
@@ -428,8 +435,12 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_mla: needs a CUDA GPU")
     harness.WARM_ONLY = args.warm_only
+    if args.kv_rows < TOPK:
+        sys.exit(f"bench_sparse_mla: --kv-rows {args.kv_rows} is fewer than top-k {TOPK}")
+    harness.POOL = args.kv_rows
     env = environment()
     data = BenchData("sparse_mla", env)
+    data.figures["kv_pool_rows"] = harness.POOL
     data.keep_partial(results_dir(env["card"], args.results))  # rows kept if killed
     print(json.dumps(env), flush=True)
     op = None
@@ -459,7 +470,8 @@ def main():
     picks = {}
     if args.sweep:
         gen = torch.Generator(device="cuda").manual_seed(2)
-        kvb = torch.randn(POOL, 1, D_QK, device="cuda", generator=gen).to(torch.bfloat16)
+        kvb = torch.randn(harness.POOL, 1, D_QK, device="cuda", generator=gen).to(
+            torch.bfloat16)
         picks = run_sweep(data, kvb, gen, tuple(args.sweep_part))
         del kvb
         data.figures["sweep_picks"] = {f"{m},{b}": list(c) for (m, b), c in sorted(picks.items())}

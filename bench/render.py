@@ -81,7 +81,7 @@ def cfg_text(cfg) -> str:
 # ---------------------------------------------------------------------------
 
 SPARSE_MLA_ABOUT = (
-    "topk 2048, d_qk 576, d_v 512, kv pool 262,144 rows, unique random indices per token. "
+    "topk 2048, d_qk 576, d_v 512, kv pool {kv_rows:,} rows, unique random indices per token. "
     "`triton`: this GPU's tables, config and split count as sparse_mla_fwd's auto_config "
     "picks them for this GPU (with --sweep, the prefill configs are the sweep's picks, see "
     "below); `triton-sm120cfg`: the SM120/SM121 tables, picked the same way for this GPU's "
@@ -108,7 +108,8 @@ def sparse_mla_md(run: dict, rows: list[dict]) -> str:
              f"bf16 matmul {f['matmul_tflops']:.0f} TFLOP/s."),
             "",
         ]
-    out += [SPARSE_MLA_ABOUT, ""]
+    # runs before --kv-rows gathered from harness.POOL's 262,144 rows
+    out += [SPARSE_MLA_ABOUT.format(kv_rows=f.get("kv_pool_rows", 262144)), ""]
     out += table(
         ["dtype", "h_q", "s_q", "kernel", "µs", "TFLOP/s", "gathered TB/s",
          "× roofline", "× FlashMLA speed", "× vLLM Triton speed"],

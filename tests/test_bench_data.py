@@ -178,7 +178,8 @@ def test_every_results_file_is_data_or_rendered_from_it():
 
 def fake_sparse_mla(tmp_path: Path) -> Path:
     data = BenchData("sparse_mla", FAKE_ENV)
-    data.figures.update(copy_tbps=1.5, matmul_tflops=400.0, empty_row_probe="probe text")
+    data.figures.update(copy_tbps=1.5, matmul_tflops=400.0, empty_row_probe="probe text",
+                        kv_pool_rows=32768)
     for h_q in (8, 64):
         for s_q in (1, 64):
             for kernel in ("triton", "flashmla"):
@@ -268,6 +269,7 @@ def test_fake_sparse_mla_renders(tmp_path):
             in md)
     assert "Series 0.23.0+dsa.sm120.test, repo commit abc123." in md
     assert "copy 1.50 TB/s (read+write), bf16 matmul 400 TFLOP/s" in md
+    assert "kv pool 32,768 rows" in md  # the run's --kv-rows (committed runs: 262,144)
     assert "| decode h8 s_q1 | (16, 32, 4, 3, True, False) | 4 | 9.9 |" in md
     assert "| decode h8 s_q1 | auto | auto | 9.5 |" in md
     assert "| sm12x bucket 16 (16, 64, 4, 2, False, False) | bf16 h8 | 1.90e-03 | ok |" in md
