@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(A B A B); engine.md gives each figure's median and range")
     p.add_argument("--start-together", type=_positive_float, metavar="KV_GIB",
                    help="start a file's vLLM servers at once, each with a KV cache of "
-                        "KV_GIB GiB, and measure them in turn while the others wait idle "
-                        "(one start's wait for all; KV and memory figures are not the "
-                        "defaults', the record says so)")
+                        "KV_GIB GiB, where the first of them stands in --paths, and measure "
+                        "them in turn while the others wait idle (one start's wait for all; "
+                        "KV and memory figures are not the defaults', the record says so)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("profile", help="where the time of a step goes (GPU)")

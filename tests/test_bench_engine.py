@@ -837,8 +837,9 @@ def test_start_together_starts_a_files_servers_at_once(tmp_path, monkeypatch):
     """--start-together 8: both vLLM servers of the file start before the
     first is measured, each with an 8 GiB KV cache and vLLM's start check at
     5 %; each is measured in turn and stopped, the GPU's memory awaited
-    after the last only; llama.cpp after them, alone; the record says how
-    the servers ran and holds no GPU memory figure."""
+    after the last only; llama.cpp after them, alone, or before them where
+    --paths names it first; the record says how the servers ran and holds
+    no GPU memory figure."""
     import argparse
 
     from engine import run
@@ -907,6 +908,22 @@ def test_start_together_starts_a_files_servers_at_once(tmp_path, monkeypatch):
         ("bench", "flashmla-bf16", "concurrent-8"), ("stop", "FLASHMLA_SPARSE", True)]
     assert any(n.startswith("glm5-tp8 q4_k_m triton-fp16: RuntimeError: server exited (1)")
                for n in runner.data.notes)
+    # llama.cpp named first runs first (its server starts in seconds), the
+    # vLLM servers together where the first of them stands
+    fails.clear()
+    events[:] = []
+    plan = wl.plan(False, [("glm5-tp8", "q4_k_m")], ["llama.cpp", "triton-fp16", "flashmla-bf16"],
+                   ["single-4k"])
+    runner = run.Runner(args, plan)
+    monkeypatch.setattr(runner, "bench", lambda w, port, hf, inputs, tag:
+                        events.append(("bench", inputs["path"], w.name)))
+    monkeypatch.setattr(runner, "llama", lambda *a: events.append(("llama.cpp",)))
+    assert runner.run() == 0
+    assert events[0] == ("llama.cpp",)
+    assert sorted(events[1:5]) == [("ready", "FLASHMLA_SPARSE"), ("ready", "TRITON_MLA_SPARSE"),
+                                   ("start", "FLASHMLA_SPARSE"), ("start", "TRITON_MLA_SPARSE")]
+    assert [e for e in events if e[0] == "bench"] == [("bench", "triton-fp16", "single-4k"),
+                                                      ("bench", "flashmla-bf16", "single-4k")]
     # alone (the default): vLLM's own memory share, no such flags
     alone = wl.vllm_serve(wl.PATHS["triton-fp16"], Path("f.gguf"), Path("hf"), 8000, 5120)
     assert "--kv-cache-memory-bytes" not in alone and "--gpu-memory-utilization" not in alone

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine benchmark on a GPU: for each file, each path's server in
-turn (never two at once; with --rounds, the paths again in the same
-order), each workload against it (a warm-up invocation, then the measured
-one), the server's own figures from its log, GPU memory from nvidia-smi.
-With --start-together, a file's vLLM servers start at once, each with a
-KV cache of that size, and are measured in turn while the others wait
-idle: one start's wait for all of them, where device time is short.
+turn, in the order of --paths (never two at once; with --rounds, the paths
+again in the same order), each workload against it (a warm-up invocation,
+then the measured one), the server's own figures from its log, GPU memory
+from nvidia-smi. With --start-together, a file's vLLM servers start at
+once, where the first of them stands in that order, each with a KV cache
+of that size, and are measured in turn while the others wait idle: one
+start's wait for all of them, where device time is short. llama.cpp
+listed first runs before them (its server starts in seconds).
 The data file is rewritten after every workload, so a run cut short
 (device time, --budget-s) keeps what it measured."""
 
@@ -402,16 +404,17 @@ class Runner:
             for r in range(1, self.rounds + 1):
                 round_ = r if self.rounds > 1 else None
                 vllm_paths = [p for p in self.plan["paths"] if p != wl.LLAMA_CPP]
-                if self.kv_cache_gib is not None and vllm_paths:
-                    what = f"{name} {gtype} {', '.join(vllm_paths)}" + (
-                        f" round {r}" if round_ else "")
-                    if not self.skip(what, self.longest_start["vllm"]):
-                        self.together(vllm_paths, name, gtype, gguf, hf, round_)
                 for path in self.plan["paths"]:
                     if path == wl.LLAMA_CPP and r > 1:
                         continue  # llama-bench repeats on its own
                     if path != wl.LLAMA_CPP and self.kv_cache_gib is not None:
-                        continue  # started together above
+                        # the file's vLLM servers, together, where the first stands
+                        if path == vllm_paths[0]:
+                            what = f"{name} {gtype} {', '.join(vllm_paths)}" + (
+                                f" round {r}" if round_ else "")
+                            if not self.skip(what, self.longest_start["vllm"]):
+                                self.together(vllm_paths, name, gtype, gguf, hf, round_)
+                        continue
                     what = f"{name} {gtype} {path}" + (f" round {r}" if round_ else "")
                     kind = wl.LLAMA_CPP if path == wl.LLAMA_CPP else "vllm"
                     if self.skip(what, self.longest_start[kind]):
