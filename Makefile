@@ -46,7 +46,8 @@ test-gpu:
 	PYTEST_MARK=gpu $(SUPERVISE) scripts/run-tests.sh $(PYTEST_ARGS)
 
 ## wheelhouse: every runtime wheel for a GPU machine without a package index (WHEELHOUSE=<dir>,
-## WHEELHOUSE_PYTHON=3.12, WHEELHOUSE_PLATFORM=x86_64)
+## WHEELHOUSE_PYTHON=3.12, WHEELHOUSE_PLATFORM=x86_64; WHEELHOUSE_SKIP="torch nvidia-* ...": what the
+## target Python has, left out and listed in SKIPPED.txt)
 wheelhouse:
 	$(SUPERVISE) scripts/wheelhouse.sh
 

@@ -32,6 +32,10 @@
                                   (CPU) from that source once, into the download cache
                                   (the end-to-end test models' low-bit and split files);
                                   print their folder
+  series.py wheelhouse-split REPORT SKIP KEEP LEFT
+                                  split pip's --report of the wheelhouse's requirements by
+                                  SKIP's patterns (make wheelhouse WHEELHOUSE_SKIP=...): the
+                                  pins to download into KEEP, those left out into LEFT
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from patchseries import (
     llama_cpp_sdist,
     llama_cpp_tools,
     rebase,
+    wheelhouse,
 )
 from patchseries.fetch import fetch_file
 from patchseries.jobs import jobs_from_environment
@@ -136,6 +141,9 @@ def main(argv: list[str]) -> int:
         llama_cpp_tools.pack_source(Path(args[1]))
     elif command == "llama-cpp" and args == ["tools"]:
         print(llama_cpp_tools.cpu_tools())
+    elif command == "wheelhouse-split" and len(args) == 4:
+        keep, left = wheelhouse.write_split(Path(args[0]), args[1], Path(args[2]), Path(args[3]))
+        print(f"{keep} to download, {left} left out")
     elif command == "lint" and not args:
         return 1 if lint.lint(sys.executable) else 0
     elif command == "compat":

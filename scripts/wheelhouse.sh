@@ -8,6 +8,11 @@
 #   WHEELHOUSE=<dir>          output (default dist/wheelhouse)
 #   WHEELHOUSE_PYTHON=3.12    the target's Python version
 #   WHEELHOUSE_PLATFORM=x86_64 | aarch64
+#   WHEELHOUSE_SKIP="torch torchvision torchaudio triton nvidia-*"
+#                             requirements the target Python already has (names or
+#                             globs as pip writes them): not downloaded, listed with
+#                             their versions in SKIPPED.txt (the target must have
+#                             each; scripts/patchseries/wheelhouse.py)
 #
 # Contents: the series' wheel (make build-wheel), its requirements and
 # tests/requirements.txt resolved by pip for the target, the llama-cpp-python
@@ -49,10 +54,21 @@ for n in $(seq 5 39); do platforms+=(--platform "manylinux_2_${n}_$ARCH"); done
 # linux_*: the series wheel itself (built here, tagged like a local build).
 platforms+=(--platform "manylinux1_$ARCH" --platform "manylinux2010_$ARCH" --platform "manylinux2014_$ARCH"
            --platform "linux_$ARCH")
-step "requirements for Python $PY_VERSION on $ARCH -> $OUT"
-python3 -m pip download --only-binary=:all: --python-version "$PY_VERSION" \
-  --implementation cp "${platforms[@]}" -d "$tmp" \
-  "$wheel" -r tests/requirements.txt
+target=(--only-binary=:all: --python-version "$PY_VERSION" --implementation cp "${platforms[@]}")
+if [ -z "${WHEELHOUSE_SKIP:-}" ]; then
+  step "requirements for Python $PY_VERSION on $ARCH -> $OUT"
+  python3 -m pip download "${target[@]}" -d "$tmp" "$wheel" -r tests/requirements.txt
+else
+  step "requirements for Python $PY_VERSION on $ARCH -> $OUT, but $WHEELHOUSE_SKIP"
+  # pip resolves for the target without downloading (metadata only where the
+  # index serves it), then only the rest is downloaded, pinned as resolved
+  python3 -m pip install -q --dry-run --ignore-installed "${target[@]}" \
+    --target "$tmp/.resolve" --report "$tmp/.report.json" "$wheel" -r tests/requirements.txt
+  python3 scripts/series.py wheelhouse-split "$tmp/.report.json" "$WHEELHOUSE_SKIP" \
+    "$tmp/.download.txt" "$tmp/SKIPPED.txt"
+  python3 -m pip download --no-deps "${target[@]}" -d "$tmp" -r "$tmp/.download.txt"
+  rm -rf "$tmp/.resolve" "$tmp/.report.json" "$tmp/.download.txt"
+fi
 
 step "llama-cpp-python from the pinned sdist (CPU build, portable)"
 python3 scripts/series.py llama-cpp wheel "$tmp"

@@ -292,15 +292,18 @@ def test_make_test_lints_after_the_install_before_pytest(fake_repo):
     assert requirements < lint < pytest_run
 
 
-def test_failed_wheelhouse_leaves_no_half_filled_folder(fake_repo):
-    """`make wheelhouse` whose `pip download` fails (no index reachable; the
-    stand-in wheel is no wheel either) after the series' wheel was copied.
-    The output appears only when complete; a complete one from before stays
-    as it was; a folder that is no wheelhouse is not deleted."""
+@pytest.mark.parametrize("skip", ["", "torch"])
+def test_failed_wheelhouse_leaves_no_half_filled_folder(fake_repo, skip):
+    """`make wheelhouse` whose `pip download` (with WHEELHOUSE_SKIP, pip's
+    resolution) fails (no index reachable; the stand-in wheel is no wheel
+    either) after the series' wheel was copied. The output appears only
+    when complete; a complete one from before stays as it was; a folder
+    that is no wheelhouse is not deleted."""
     dist = fake_repo.root / "dist"
     (fake_repo.root / "tests").mkdir()
     (fake_repo.root / "tests/requirements.txt").write_text("numpy\n")
-    env = fake_repo.env(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1")  # no index reachable
+    env = fake_repo.env(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1",  # no index reachable
+                        WHEELHOUSE_SKIP=skip)
 
     def wheelhouse() -> subprocess.CompletedProcess:
         return subprocess.run(["make", "wheelhouse"], cwd=fake_repo.root, env=env, text=True,
