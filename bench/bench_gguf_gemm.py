@@ -208,26 +208,35 @@ VEC_MAX_ROWS = 65535
 
 
 def moe_kernel(kind: str, x, q13, q2, wts, ids, t13: int, t2: int) -> torch.Tensor:
-    """The routed experts through one of ggml's kernels at any batch size:
-    what _fused_moe_gguf runs above 64 tokens ("mmq", ggml_moe_a8) and at
-    or below ("vec", ggml_moe_a8_vec)."""
+    """The routed experts through one kernel at any batch size: ggml's, what
+    _fused_moe_gguf runs above 64 tokens ("mmq", ggml_moe_a8) and at or
+    below ("vec", ggml_moe_a8_vec), or the series' choice of vector kernels
+    ("vec_series", gguf_dispatch.moe_vec: gguf_moe_vec's Triton kernel for
+    the IQ rows it takes, ggml's for the others)."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
     n, top_k = ids.shape
     e, rows, _ = q13.shape
     hidden = q2.shape[1]
+    vec = ops.ggml_moe_a8_vec
+    if kind == "vec_series":
+        choice = series_module("gguf_dispatch").moe_vec
+
+        def vec(inp, w, topk_ids, k, qtype, out_rows, _tokens):
+            return choice(inp, w, topk_ids, k, qtype, out_rows)
+
     if kind == "mmq":  # one alignment for both GEMMs, by the gate/up type, as upstream
         aligned = moe_align_block_size(ids, ops.ggml_moe_get_block_size(t13), e)
         up = ops.ggml_moe_a8(x, q13, *aligned, t13, rows, top_k, n)
     else:
-        up = ops.ggml_moe_a8_vec(x, q13, ids, top_k, t13, rows, n)
+        up = vec(x, q13, ids, top_k, t13, rows, n)
     h = torch.empty(up.shape[0], rows // 2, dtype=up.dtype, device=up.device)
     torch.ops._C.silu_and_mul(h, up)
     if kind == "mmq":
         down = ops.ggml_moe_a8(h, q2, *aligned, t2, hidden, 1, n * top_k)
     else:
-        down = ops.ggml_moe_a8_vec(h, q2, ids, 1, t2, hidden, n * top_k)
+        down = vec(h, q2, ids, 1, t2, hidden, n * top_k)
     down = down.view(n, top_k, hidden).mul_(wts.view(n, top_k, 1))
     out = torch.empty_like(x)
     ops.moe_sum(down, out)
@@ -372,6 +381,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
     fmoe = series_module("gguf_fused_moe")
     tdq = series_module("gguf_dequant")
     gm = series_module("gguf_marlin_moe")
+    vec_triton = series_module("gguf_moe_vec")
     for shape, e, h, inter, top_k in MOE_SHAPES:
         if shapes and shape not in shapes:
             continue
@@ -432,8 +442,18 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                                         gm.apply(marlin, x, wts, ids), ref)
                 if q13 is not None:
                     has_mmq = t13 in MMQ_QUANT_TYPES and t2 in MMQ_QUANT_TYPES
+                    kinds = ["mmq", "vec"] if has_mmq else ["vec"]
+                    if vec_triton and any(vec_triton.supported(t, k) for t, k in
+                                          ((t13, h), (t2, inter))):
+                        kinds.append("vec_series")
+                        ref = fused_experts(x, w13, w2, wts, ids)
+                        fused["vec_series_max_diff"] = _max_diff(
+                            moe_kernel("vec_series", x, q13, q2, wts, ids, int(t13), int(t2)),
+                            ref)
+                        fused["vec_max_diff"] = _max_diff(
+                            moe_kernel("vec", x, q13, q2, wts, ids, int(t13), int(t2)), ref)
                     if n <= GRAPH_MAX_TOKENS:
-                        for k in ("mmq", "vec") if has_mmq else ("vec",):
+                        for k in kinds:
                             graphs[f"{k}_graph_ms"] = graph_ms(functools.partial(
                                 moe_kernel, k, x, q13, q2, wts, ids, int(t13), int(t2)))
                     kernel = "mmq" if n > 64 and has_mmq else "mmvq"  # upstream's choice
@@ -466,6 +486,7 @@ def bench_moe(data: BenchData, tokens: list[int], gen: torch.Generator,
                       f"vec {vec_ms or 0:8.3f} ms fused {fused.get('fused_ms') or 0:8.3f} ms "
                       f"graphs: mmq {graphs.get('mmq_graph_ms') or 0:7.3f} "
                       f"vec {graphs.get('vec_graph_ms') or 0:7.3f} ms "
+                      f"vec_series {graphs.get('vec_series_graph_ms') or 0:7.3f} ms "
                       f"marlin {fused.get('marlin_ms') or 0:8.3f} ms "
                       f"(graph {graphs.get('marlin_graph_ms') or 0:7.3f} "
                       f"kernel {fused.get('marlin_kernel_ms') or 0:7.3f} "

@@ -479,6 +479,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0042": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     # The fp16 MTP block's residual: 0.24's deepseek_mtp.py has the same bug.
     "0043": (rb.OFFSETS, ""),
+    # The Triton vector kernel for IQ experts' down projection: goes with the loader.
+    "0044": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -9,7 +9,8 @@ are large) and run vLLM's Triton fused MoE.
 CPU: which path a batch takes (thresholds, types, a linear's size,
 VLLM_GGUF_KERNELS=upstream,
 and =fused: gguf_fused_moe's kernel where it decodes the types; which
-linears a CUDA graph being captured dequantizes),
+linears a CUDA graph being captured dequantizes; which routed experts of
+decode batches take gguf_moe_vec's Triton vector kernel, in a graph too),
 and the expert groups: CPU stand-ins for ggml_dequantize (gguf-py) and
 fused_experts (fp64, honouring expert_map), with gguf_dequant's Triton
 kernel for Q8_0, Q4_K and Q6_K in the interpreter, show that every expert is
@@ -403,6 +404,61 @@ def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     assert not mod.use_moe_dequant(10**6, q4k, q4k)
     capturing[0] = False
     assert mod.use_moe_dequant(10**6, q4k, q4k)
+
+
+@pytest.mark.parametrize("switch,qtype,k,kernel", [
+    ("series", "IQ2_XXS", 512, "vec_triton"), ("fused", "IQ3_XXS", 256, "vec_triton"),
+    ("series", "IQ2_XXS", 768, "vec"), ("ggml", "IQ2_XXS", 256, "vec"),
+    ("upstream", "IQ3_XXS", 256, "vec"), ("series", "IQ4_XS", 256, "vec"),
+    ("series", "Q2_K", 256, "vec")], ids=str)
+def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, kernel, monkeypatch):
+    """Decode batches of routed experts without MMQ: gguf_moe_vec's kernel
+    for IQ2_XXS and IQ3_XXS rows of at most its MAX_K (512) values
+    (VLLM_GGUF_KERNELS series, fused), ggml's vector kernel for longer rows,
+    the other types and with ggml, upstream; the same product either way."""
+    mod = _module()
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", switch)
+    monkeypatch.setattr(mod, "_VEC_READY", set())
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    raw, values = random_blocks(qtype, (E, INTER, k), torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, k, generator=g).half()
+    topk_ids = torch.rand(3, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
+    out = mod.moe_vec(x, raw, topk_ids, TOP_K, int(QType[qtype]), INTER)
+    assert kernels.calls == [(kernel, qtype)]
+    rows = torch.arange(3 * TOP_K) // TOP_K
+    ref = torch.stack([values[e] @ x[t].double()
+                       for t, e in zip(rows.tolist(), topk_ids.flatten().tolist())])
+    assert_close_to(out, ref, 2e-3, qtype)
+
+
+def test_moe_vec_in_a_graph_being_captured_needs_a_run_outside_one(monkeypatch):
+    """Capturing a CUDA graph, the Triton vector kernel runs only for
+    calls like one that ran it outside a graph before (experts' type and
+    shape, top-k, the activations' dtype, row stride and alignment), its
+    kernel compiled and its tables on the device; else ggml's."""
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "_VEC_READY", set())
+    capturing = [False]
+    monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    iq2 = int(QType.IQ2_XXS)
+    raw, _ = random_blocks("IQ2_XXS", (E, INTER, HIDDEN), torch.Generator().manual_seed(6))
+    x, _, topk_ids = batch(2, torch.float16, seed=7)
+    capturing[0] = True
+    mod.moe_vec(x, raw, topk_ids, TOP_K, iq2, INTER)
+    capturing[0] = False
+    mod.moe_vec(x, raw, topk_ids, TOP_K, iq2, INTER)
+    capturing[0] = True
+    mod.moe_vec(x, raw, topk_ids, TOP_K, iq2, INTER)
+    mod.moe_vec(x.float(), raw, topk_ids, TOP_K, iq2, INTER)  # another dtype
+    mod.moe_vec(x, raw, topk_ids[:, :1].contiguous(), 1, iq2, INTER)  # another top-k
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
+    shifted.copy_(x)  # another alignment: another compiled kernel
+    mod.moe_vec(shifted, raw, topk_ids, TOP_K, iq2, INTER)
+    assert [k for k, _ in kernels.calls] == ["vec", "vec_triton", "vec_triton", "vec", "vec",
+                                             "vec"]
 
 
 @pytest.mark.parametrize("switch", ["series", "ggml", "upstream"])

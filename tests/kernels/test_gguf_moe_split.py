@@ -10,9 +10,10 @@ CPU: vLLM's own _fused_moe_gguf_split with CPU stand-ins for the CUDA ops
 poisoned rows, recorded kernel choice), against the reference and against
 upstream's fused path where gate and up share a type; the method's load-time
 checks.
-GPU (`-m gpu`): the real ggml_moe_a8 (MMQ) and ggml_moe_a8_vec kernels, in
-float16 and bfloat16, for one token (vector kernels) and a prefill-sized
-batch (MMQ where the type has it, the vector kernel for IQ types).
+GPU (`-m gpu`): the real ggml_moe_a8 (MMQ) and ggml_moe_a8_vec kernels and
+the series' Triton vector kernel (IQ2_XXS, IQ3_XXS), in float16 and
+bfloat16, for one token (vector kernels) and a prefill-sized batch (MMQ
+where the type has it, a vector kernel for IQ types).
 """
 
 from __future__ import annotations
@@ -91,10 +92,20 @@ def qtypes(types):
 
 
 def expected_kernels(types, tokens):
+    """MMQ from its threshold where the type has it, else a vector kernel:
+    the series' Triton one for its types (gguf_moe_vec.TYPES) and rows of
+    at most its MAX_K values, else ggml's."""
+    from vllm.model_executor.layers.quantization import gguf_moe_vec
     from vllm.model_executor.layers.quantization.gguf_dispatch import moe_mmq_min_tokens
 
-    return [("mmq" if tokens >= moe_mmq_min_tokens() and t in MMQ_TYPES else "vec", t)
-            for t in types]
+    def kernel(t, k):
+        if tokens >= moe_mmq_min_tokens() and t in MMQ_TYPES:
+            return "mmq"
+        if QType[t] in gguf_moe_vec.TYPES and k <= gguf_moe_vec.MAX_K:
+            return "vec_triton"
+        return "vec"
+
+    return [(kernel(t, k), t) for t, k in zip(types, (HIDDEN, HIDDEN, INTER), strict=True)]
 
 
 def split(raw, x, topk_weights, topk_ids, types, op=False):
@@ -222,7 +233,8 @@ def test_loaded_halves_that_cannot_run_are_named(types, rows_bytes, message):
 # GPU: the real kernels
 # ---------------------------------------------------------------------------
 
-GPU_TYPES = [("Q4_K", "Q6_K", "Q8_0"), ("IQ4_XS", "Q6_K", "Q8_0"), ("Q6_K", "IQ4_XS", "Q8_0")]
+GPU_TYPES = [("Q4_K", "Q6_K", "Q8_0"), ("IQ4_XS", "Q6_K", "Q8_0"), ("Q6_K", "IQ4_XS", "Q8_0"),
+             ("IQ2_XXS", "IQ3_XXS", "Q4_K")]
 # (max |err| / max |ref|, relative norm of the error). The kernels quantize
 # their inputs (x, then the activation) to q8_1: 32-value blocks scaled by
 # amax/127. Emulating that (and the dtype's rounding of each stage) on the
@@ -237,10 +249,15 @@ class _KernelSpy:
         from vllm import _custom_ops as ops
 
         self.calls: list[tuple[str, str]] = []
-        for name, kind in (("ggml_moe_a8", "mmq"), ("ggml_moe_a8_vec", "vec")):
-            real = getattr(ops, name)
-            type_arg = 5 if kind == "mmq" else 4
-            monkeypatch.setattr(ops, name, self._wrap(real, kind, type_arg))
+        from vllm.model_executor.layers.quantization import gguf_moe_vec
+
+        for module, name, kind, type_arg in (
+            (ops, "ggml_moe_a8", "mmq", 5),
+            (ops, "ggml_moe_a8_vec", "vec", 4),
+            (gguf_moe_vec, "moe_vec", "vec_triton", 4),
+        ):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, self._wrap(real, kind, type_arg))
 
     def _wrap(self, real, kind, type_arg):
         def kernel(*args):

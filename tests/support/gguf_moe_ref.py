@@ -144,7 +144,8 @@ class CpuGgufMoeOps:
     fp64 from gguf-py's dequantize and rounded to the activation dtype where
     the kernel writes its output. They check the calling convention the
     kernels rely on, leave the rows a kernel would not write NaN, and record
-    each GEMM as (kernel, type name) in ``calls``. ``known`` holds values
+    each GEMM as (kernel, type name) in ``calls``, the series' Triton vector
+    kernel (gguf_moe_vec, run as it is) as "vec_triton". ``known`` holds values
     already dequantized, by (data_ptr, type) of their blocks."""
 
     def __init__(self) -> None:
@@ -164,6 +165,16 @@ class CpuGgufMoeOps:
             monkeypatch.setattr(ops, name, getattr(self, name))
         # apply_moe_activation calls torch.ops._C.silu_and_mul
         monkeypatch.setattr(torch.ops, "_C", _ActivationOps(), raising=False)
+        # the series' Triton vector kernel runs (in the interpreter), recorded
+        from vllm.model_executor.layers.quantization import gguf_moe_vec
+
+        kernel = gguf_moe_vec.moe_vec
+
+        def moe_vec(x, w, topk_ids, top_k, qtype, rows, **kwargs):
+            self.calls.append(("vec_triton", QType(qtype).name))
+            return kernel(x, w, topk_ids, top_k, qtype, rows, **kwargs)
+
+        monkeypatch.setattr(gguf_moe_vec, "moe_vec", moe_vec)
         return self
 
     def _weights(self, w: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The Triton vector kernel for IQ2_XXS and IQ3_XXS routed experts of
+decode batches (gguf_moe_vec.py), in ggml_moe_a8_vec's contract: row r is
+w[topk_ids.flatten()[r]] @ x[r // top_k].
+
+CPU (TRITON_INTERPRET=1, fp16 and fp32): against the fp64 product of
+gguf-py's values, the output poisoned with NaN, partial row blocks, rows of
+one and of several blocks, top-k 1 (the down projection) and more (gate and
+up), duplicate experts, ids that are no expert (zeros); its tables are
+gguf-py's grids and sign masks; bad input refused; the kernel compiles for
+SM120 and SM90 within SM120's shared memory (where gguf_dispatch takes it:
+tests/kernels/test_gguf_dispatch.py). GPU (`-m gpu`): a GLM-5 TP-8 rank's
+expert shapes, fp16 and bf16, against fp64 and against ggml's vector
+kernel, captured in a CUDA graph and replayed on new routes.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from support.gguf_moe_ref import random_blocks
+
+Q = gguf.GGMLQuantizationType
+TYPES = ("IQ2_XXS", "IQ3_XXS")
+
+
+def _module():
+    from vllm.model_executor.layers.quantization import gguf_moe_vec
+
+    return gguf_moe_vec
+
+
+@pytest.fixture
+def vec(monkeypatch):
+    module = _module()
+    monkeypatch.setattr(module, "_empty",
+                        lambda *a, **k: torch.full(a, float("nan"), **k))
+    return module
+
+
+def reference(x, values, topk_ids, top_k):
+    """fp64 [ids, rows]: values[e] @ x[r // top_k], zeros where e is no expert."""
+    ids = topk_ids.flatten().long()
+    out = torch.zeros(ids.numel(), values.shape[1], dtype=torch.float64)
+    for r, e in enumerate(ids.tolist()):
+        if 0 <= e < values.shape[0]:
+            out[r] = values[e] @ x[r // top_k].double()
+    return out
+
+
+def assert_close(out, ref, tol, what):
+    assert out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: NaN or inf in the output"
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol * ref.abs().max().item(), f"{what}: max |err| {err:.3g}"
+
+
+# fp32 output: the fp32 sums; fp16: one rounding of the output
+CPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(CPU_TOL), ids=str)
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("tokens,top_k,rows,k,block_n", [
+    (1, 1, 40, 256, 16),  # the down projection: one block a row, a partial row block
+    (3, 3, 24, 768, 16),  # gate and up: rows of three blocks
+    (5, 2, 33, 512, 32),  # odd rows, fewer than one row block
+])
+def test_moe_vec_matches_fp64(vec, qtype, dtype, tokens, top_k, rows, k, block_n):
+    experts = 5
+    g = torch.Generator().manual_seed(rows + k)
+    raw, values = random_blocks(qtype, (experts, rows, k), g)
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    topk_ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k]
+    topk_ids = topk_ids.to(torch.int32)
+    out = vec.moe_vec(x, raw, topk_ids, top_k, int(Q[qtype]), rows, block_n=block_n)
+    assert out.dtype == dtype
+    assert_close(out, reference(x, values, topk_ids, top_k), CPU_TOL[dtype], qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_duplicate_experts_and_ids_that_are_no_expert(vec, qtype):
+    """An expert named twice gives its product twice; an id outside [0,
+    experts) gives zeros (gguf_dispatch's groups map other experts to -1)."""
+    experts, rows, k = 4, 24, 256
+    g = torch.Generator().manual_seed(2)
+    raw, values = random_blocks(qtype, (experts, rows, k), g)
+    x = torch.randn(3, k, generator=g).half()
+    topk_ids = torch.tensor([[2, 2], [-1, 1], [4, 0]], dtype=torch.int32)
+    out = vec.moe_vec(x, raw, topk_ids, 2, int(Q[qtype]), rows, block_n=16)
+    ref = reference(x, values, topk_ids, 2)
+    assert_close(out, ref, CPU_TOL[torch.float16], qtype)
+    assert torch.equal(out[0], out[1]) and not out[2].any() and not out[4].any()
+
+
+def test_tables_are_gguf_pys_grids_and_signs():
+    """The packed words unpack to gguf-py's grid magnitudes and ksigns'
+    bits (the kernel's sign trick needs magnitudes 1-127)."""
+    module = _module()
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    for qtype, cls in ((Q.IQ2_XXS, gguf.quants.IQ2_XXS), (Q.IQ3_XXS, gguf.quants.IQ3_XXS)):
+        grid, masks = module._host_tables(qtype)
+        cls.init_grid()
+        magnitudes = grid.view(np.uint8).reshape(256, -1)
+        assert np.array_equal(magnitudes, cls.grid.reshape(256, -1))
+        assert magnitudes.min() > 0 and magnitudes.max() < 128
+        bits = masks.view(np.uint8).reshape(128, 8) == 0xFF
+        assert np.array_equal(bits, (ksigns[:, None] >> np.arange(8)) & 1 == 1)
+        assert np.isin(masks.view(np.uint8), (0, 0xFF)).all()
+
+
+def test_bad_input_is_refused():
+    module = _module()
+    iq2 = int(Q.IQ2_XXS)
+    g = torch.Generator().manual_seed(0)
+    raw, _ = random_blocks("IQ2_XXS", (2, 8, 256), g)
+    x = torch.randn(1, 256).half()
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="Q4_K rows of 256 values: not decoded here"):
+        module.moe_vec(x, raw, ids, 1, int(Q.Q4_K), 8)
+    with pytest.raises(ValueError, match="IQ2_XXS rows of 384 values"):
+        module.moe_vec(torch.randn(1, 384).half(), raw, ids, 1, iq2, 8)
+    with pytest.raises(ValueError, match=r"\[experts, 16, 66\] uint8 expected, found \(2, 8, 66\)"):
+        module.moe_vec(x, raw, ids, 1, iq2, 16)
+    with pytest.raises(ValueError, match="2 expert ids for 1 rows of top-1"):
+        module.moe_vec(x, raw, torch.zeros(1, 2, dtype=torch.int32), 1, iq2, 8)
+    # columns of a wider tensor: read as it is
+    wide = torch.randn(1, 512).half()
+    out = module.moe_vec(wide[:, ::2], raw, ids, 1, iq2, 8)
+    assert torch.equal(out, module.moe_vec(wide[:, ::2].contiguous(), raw, ids, 1, iq2, 8))
+    assert module.supported(iq2, 6144) and not module.supported(iq2, 6100)
+    assert not module.supported(int(Q.IQ4_XS), 6144)
+
+
+_AOT_SCRIPT = r"""
+import json
+import gguf
+from vllm.model_executor.layers.quantization import gguf_moe_vec as vec
+from support.aot import AotKernel, compile_for
+out = {}
+sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp16",
+       "grid_ptr": "*i32", "masks_ptr": "*i32", "N": "i32", "num_experts": "i32",
+       "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32"}
+for qtype in vec.TYPES:
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    for dtype in ("fp16", "bf16"):
+        for top_k, blocks in ((8, 24), (1, 1)):  # GLM-5 TP-8 gate/up, down
+            consts = {"TOP_K": top_k, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
+                      "BLOCK_N": vec.BLOCK_N}
+            kernel = AotKernel(
+                name=f"{qtype.name}-{dtype}-k{blocks}", fn=vec._moe_vec_kernel,
+                signature={**sig, "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                           **{k: "constexpr" for k in consts}},
+                constexprs=consts, options={"num_warps": vec.NUM_WARPS, "num_stages": 2})
+            for cap in ((12, 0), (9, 0)):
+                compiled = compile_for(kernel, cap)
+                out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compiled.metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_moe_vec_compiles_for_sm120_and_sm90(tmp_path):
+    """Both types, fp16 and bf16, gate/up and down compile for SM120 (and
+    SM90) within SM120's shared memory. A fresh process: the interpreter
+    patches triton.language in this one."""
+    from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
+
+    shared = run_aot_script(_AOT_SCRIPT, tmp_path)
+    assert len(shared) == 16
+    assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+# against fp64: fp32 sums, one rounding of the output (bf16: 2^-8)
+GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+# against ggml's vector kernel, which quantizes the activations to 8 bits
+GGML_TOL = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_moe_vec_on_the_gpu_in_a_cuda_graph(qtype, dtype):
+    """A GLM-5 TP-8 rank's gate/up (512 rows of 6,144) and down (6,144
+    rows of 256) experts, 16 of them, at 1, 32 and 64 tokens of top-8:
+    against fp64 and ggml's vector kernel; then captured in a CUDA graph
+    and replayed on new inputs and routes."""
+    from vllm import _custom_ops as ops
+
+    module = _module()
+    experts, hidden, inter, top_k = 16, 6144, 256, 8
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for rows, k in ((2 * inter, hidden), (hidden, inter)):
+        raw, values = random_blocks(qtype, (experts, rows, k), g)
+        cases.append((raw.cuda(), values, rows, k))
+    for tokens in (1, 32, 64):
+        for (raw, values, rows, k), kk in zip(cases, (top_k, 1)):
+            n = tokens if kk == top_k else tokens * top_k
+            x = torch.randn(n, k, generator=g).to(dtype)
+            ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k]
+            ids = ids.to(torch.int32).cuda().contiguous()
+            out = module.moe_vec(x.cuda(), raw, ids, kk, int(Q[qtype]), rows)
+            ggml = ops.ggml_moe_a8_vec(x.cuda(), raw, ids, kk, int(Q[qtype]), rows, n)
+            ref = reference(x, values, ids.cpu(), kk)
+            what = f"{qtype} {rows}x{k} {tokens} tokens"
+            assert_close(out.cpu(), ref, GPU_TOL[dtype], what)
+            assert_close(ggml.cpu(), ref, GGML_TOL, f"{what} (ggml)")
+            assert_close(out.cpu(), ggml.cpu().double(), GGML_TOL, f"{what} against ggml")
+    raw, values, rows, k = cases[1]
+    x = torch.zeros(32 * top_k, k, dtype=dtype, device="cuda")
+    ids = torch.zeros(32, top_k, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = module.moe_vec(x, raw, ids, 1, int(Q[qtype]), rows)
+    for seed in (1, 2):
+        gs = torch.Generator().manual_seed(seed)
+        new_x = torch.randn(32 * top_k, k, generator=gs).to(dtype)
+        new_ids = torch.rand(32, experts, generator=gs).argsort(-1)[:, :top_k].to(torch.int32)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out.cpu(), reference(new_x, values, new_ids, 1), GPU_TOL[dtype],
+                     f"{qtype} graph replay {seed}")
