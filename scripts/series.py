@@ -57,7 +57,7 @@ from patchseries import (
 )
 from patchseries.fetch import fetch_file
 from patchseries.jobs import jobs_from_environment
-from patchseries.patchfile import format_sections, read_series, series_digest
+from patchseries.patchfile import format_sections, read_series, series_digest, version_label
 from patchseries.pin import load_pin
 from patchseries.release import checkout_target, release_target
 from patchseries.tree import apply_series, export_series
@@ -66,7 +66,7 @@ LOCAL_LABEL = "dsa.sm120"
 
 
 def wheel_version(pin, patches) -> str:
-    return f"{pin.version}+{LOCAL_LABEL}.{series_digest(patches)[:8]}"
+    return f"{pin.version}+{LOCAL_LABEL}.{version_label(series_digest(patches)[:8])}"
 
 
 def rebase_command(pin, write: bool) -> int:

@@ -584,3 +584,19 @@ def test_lint_holds_the_series_files_to_the_trees_own_ruff_rules(tmp_path, git_e
     assert lint.lint(sys.executable, tree) == 1
     with pytest.raises(SeriesError, match="make apply"):
         lint.series_python_files(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("digest,label", [("01951830", "1951830"), ("00000000", "0"),
+                                          ("12345678", "12345678"), ("a7e4804c", "a7e4804c"),
+                                          ("0abc1234", "0abc1234")])
+def test_the_wheel_version_is_as_pip_writes_it(digest, label):
+    """The version build.sh looks the built wheel up by is PEP 440's
+    normal form: an all-digit digest loses its leading zeros in the
+    wheel's name (series 01951830 failed to build before)."""
+    from packaging.version import Version
+
+    from patchseries.patchfile import version_label
+
+    version = f"0.23.0+dsa.sm120.{version_label(digest)}"
+    assert version_label(digest) == label
+    assert str(Version(version)) == version

@@ -301,6 +301,14 @@ def series_digest(patches: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def version_label(digest: str) -> str:
+    """A series digest as the last segment of the wheel's local version,
+    written as PEP 440 normalizes it: a segment of digits alone is a
+    number, so pip names the wheel without its leading zeros, and tools
+    that look for the file by the version must do the same."""
+    return str(int(digest)) if digest.isdigit() else digest
+
+
 def message_of(text: str) -> str:
     """The commit message of a patch file: the part before its diffstat."""
     return text.split("\n---\n", 1)[0]
