@@ -481,6 +481,7 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0043": (rb.OFFSETS, ""),
     # The Triton vector kernel for IQ experts' down projection: goes with the loader.
     "0044": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0045": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

@@ -409,11 +409,12 @@ def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
 @pytest.mark.parametrize("switch,qtype,k,kernel", [
     ("series", "IQ2_XXS", 512, "vec_triton"), ("fused", "IQ3_XXS", 256, "vec_triton"),
     ("series", "IQ2_XXS", 768, "vec"), ("ggml", "IQ2_XXS", 256, "vec"),
-    ("upstream", "IQ3_XXS", 256, "vec"), ("series", "IQ4_XS", 256, "vec"),
-    ("series", "Q2_K", 256, "vec")], ids=str)
+    ("upstream", "IQ3_XXS", 256, "vec"), ("series", "IQ4_XS", 256, "vec_triton"),
+    ("fused", "IQ1_M", 512, "vec_triton"), ("series", "IQ2_S", 768, "vec"),
+    ("ggml", "IQ1_S", 256, "vec"), ("series", "Q2_K", 256, "vec")], ids=str)
 def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, kernel, monkeypatch):
     """Decode batches of routed experts without MMQ: gguf_moe_vec's kernel
-    for IQ2_XXS and IQ3_XXS rows of at most its MAX_K (512) values
+    for the imatrix types' rows of at most its MAX_K (512) values
     (VLLM_GGUF_KERNELS series, fused), ggml's vector kernel for longer rows,
     the other types and with ggml, upstream; the same product either way."""
     mod = _module()

@@ -11,7 +11,7 @@ poisoned rows, recorded kernel choice), against the reference and against
 upstream's fused path where gate and up share a type; the method's load-time
 checks.
 GPU (`-m gpu`): the real ggml_moe_a8 (MMQ) and ggml_moe_a8_vec kernels and
-the series' Triton vector kernel (IQ2_XXS, IQ3_XXS), in float16 and
+the series' Triton vector kernel (imatrix types), in float16 and
 bfloat16, for one token (vector kernels) and a prefill-sized batch (MMQ
 where the type has it, a vector kernel for IQ types).
 """

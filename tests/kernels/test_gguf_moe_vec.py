@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The Triton vector kernel for IQ2_XXS and IQ3_XXS routed experts of
+"""The Triton vector kernel for the imatrix types' routed experts of
 decode batches (gguf_moe_vec.py), in ggml_moe_a8_vec's contract: row r is
 w[topk_ids.flatten()[r]] @ x[r // top_k].
 
@@ -25,7 +25,7 @@ import torch
 from support.gguf_moe_ref import random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = ("IQ2_XXS", "IQ3_XXS")
+TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ4_XS")
 
 
 def _module():
@@ -97,20 +97,30 @@ def test_duplicate_experts_and_ids_that_are_no_expert(vec, qtype):
     assert torch.equal(out[0], out[1]) and not out[2].any() and not out[4].any()
 
 
-def test_tables_are_gguf_pys_grids_and_signs():
-    """The packed words unpack to gguf-py's grid magnitudes and ksigns'
-    bits (the kernel's sign trick needs magnitudes 1-127)."""
+@pytest.mark.parametrize("qtype", TYPES)
+def test_tables_are_gguf_pys_grids_and_signs(qtype):
+    """The packed words unpack to gguf-py's grid values (magnitudes 1-127
+    where the kernel's sign trick applies them) and the byte masks to the
+    sign bits the type reads: ksigns' for a 7-bit index, a byte's own for a
+    sign byte; IQ4_XS's table is its 16 levels."""
     module = _module()
-    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
-    for qtype, cls in ((Q.IQ2_XXS, gguf.quants.IQ2_XXS), (Q.IQ3_XXS, gguf.quants.IQ3_XXS)):
-        grid, masks = module._host_tables(qtype)
-        cls.init_grid()
-        magnitudes = grid.view(np.uint8).reshape(256, -1)
-        assert np.array_equal(magnitudes, cls.grid.reshape(256, -1))
-        assert magnitudes.min() > 0 and magnitudes.max() < 128
-        bits = masks.view(np.uint8).reshape(128, 8) == 0xFF
-        assert np.array_equal(bits, (ksigns[:, None] >> np.arange(8)) & 1 == 1)
-        assert np.isin(masks.view(np.uint8), (0, 0xFF)).all()
+    grid, masks = module._host_tables(Q[qtype])
+    if qtype == "IQ4_XS":
+        assert grid.dtype == np.float32
+        assert np.array_equal(grid, np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32))
+        return
+    cls = getattr(gguf.quants, qtype)
+    cls.init_grid()
+    values = grid.view(np.int8).reshape(cls.grid_shape)
+    assert np.array_equal(values, cls.grid.reshape(cls.grid_shape))
+    if qtype in ("IQ1_S", "IQ1_M"):
+        return
+    assert values.min() > 0 and values.max() < 128
+    signs = np.arange(256) if qtype == "IQ2_S" else np.frombuffer(
+        gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    bits = masks.view(np.uint8).reshape(len(signs), 8) == 0xFF
+    assert np.array_equal(bits, (signs[:, None] >> np.arange(8)) & 1 == 1)
+    assert np.isin(masks.view(np.uint8), (0, 0xFF)).all()
 
 
 def test_bad_input_is_refused():
@@ -133,7 +143,8 @@ def test_bad_input_is_refused():
     out = module.moe_vec(wide[:, ::2], raw, ids, 1, iq2, 8)
     assert torch.equal(out, module.moe_vec(wide[:, ::2].contiguous(), raw, ids, 1, iq2, 8))
     assert module.supported(iq2, 6144) and not module.supported(iq2, 6100)
-    assert not module.supported(int(Q.IQ4_XS), 6144)
+    assert not module.supported(int(Q.IQ4_NL), 6144)
+    assert not module.supported(int(Q.IQ3_S), 6144)  # loaded as Q6_K (0027)
 
 
 _AOT_SCRIPT = r"""
@@ -147,14 +158,15 @@ sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp16",
        "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32"}
 for qtype in vec.TYPES:
     size = gguf.GGML_QUANT_SIZES[qtype][1]
+    grid = "*fp32" if qtype == gguf.GGMLQuantizationType.IQ4_XS else "*i32"
     for dtype in ("fp16", "bf16"):
-        for top_k, blocks in ((8, 24), (1, 1)):  # GLM-5 TP-8 gate/up, down
-            consts = {"TOP_K": top_k, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
+        for blocks in (1, 2):  # the down projection of TP-8 and TP-4 ranks
+            consts = {"TOP_K": 1, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
                       "BLOCK_N": vec.BLOCK_N}
             kernel = AotKernel(
                 name=f"{qtype.name}-{dtype}-k{blocks}", fn=vec._moe_vec_kernel,
                 signature={**sig, "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-                           **{k: "constexpr" for k in consts}},
+                           "grid_ptr": grid, **{k: "constexpr" for k in consts}},
                 constexprs=consts, options={"num_warps": vec.NUM_WARPS, "num_stages": 2})
             for cap in ((12, 0), (9, 0)):
                 compiled = compile_for(kernel, cap)
@@ -164,13 +176,14 @@ print(json.dumps(out))
 
 
 def test_moe_vec_compiles_for_sm120_and_sm90(tmp_path):
-    """Both types, fp16 and bf16, gate/up and down compile for SM120 (and
-    SM90) within SM120's shared memory. A fresh process: the interpreter
+    """Every type, fp16 and bf16, rows of one and two blocks (what
+    gguf_dispatch gives it) compile for SM120 (and SM90) within SM120's
+    shared memory. A fresh process: the interpreter
     patches triton.language in this one."""
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
     shared = run_aot_script(_AOT_SCRIPT, tmp_path)
-    assert len(shared) == 16
+    assert len(shared) == 56
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 

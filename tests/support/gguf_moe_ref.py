@@ -26,11 +26,19 @@ F16_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "IQ1_S": (0,),
     "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
     "IQ3_XXS": (0,),
     "IQ3_S": (0,),
     "IQ4_XS": (0,),
+    # IQ1_M: d's four nibbles are the top nibbles of its last 8 bytes'
+    # uint16 (IQ1_M_D_BYTES)
+    "IQ1_M": (None,),
 }
+# IQ1_M: the bytes whose high nibbles hold d's nibbles, lowest first
+IQ1_M_D_BYTES = (49, 51, 53, 55)
 # The types with an MMQ kernel (ggml_moe_a8): vLLM's MMQ_QUANT_TYPES.
 MMQ_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # MOE_X of the CUDA build: the token block of ggml_moe_a8
@@ -60,6 +68,12 @@ def random_blocks(
 
     def set_scales() -> torch.Tensor:
         for off, scale in zip(fields, scales):
+            if off is None:  # IQ1_M
+                bits = scale.half().view(torch.int16).int()
+                for i, at in enumerate(IQ1_M_D_BYTES):
+                    nibble = ((bits >> (4 * i)) & 15).to(torch.uint8)
+                    raw[..., at] = (raw[..., at] & 15) | (nibble << 4)
+                continue
             raw[..., off : off + 2] = scale.half().view(torch.uint8).view(*blocks, 2)
         return dequantize(raw.reshape(*lead, -1), type_name)
 
@@ -172,6 +186,9 @@ class CpuGgufMoeOps:
 
         def moe_vec(x, w, topk_ids, top_k, qtype, rows, **kwargs):
             self.calls.append(("vec_triton", QType(qtype).name))
+            # a wide tile: the interpreter runs one program at a time (the
+            # kernel's own tile: tests/kernels/test_gguf_moe_vec.py)
+            kwargs.setdefault("block_n", 256)
             return kernel(x, w, topk_ids, top_k, qtype, rows, **kwargs)
 
         monkeypatch.setattr(gguf_moe_vec, "moe_vec", moe_vec)
