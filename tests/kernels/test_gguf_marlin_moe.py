@@ -340,11 +340,12 @@ def test_a_layer_off_the_gpu_keeps_its_gguf_blocks(on_cuda):
 
 
 @pytest.mark.parametrize("w2_type,tokens,kernel", [
-    ("Q6_K", 3, "vec"), ("Q6_K", 9, "mmq"), ("IQ4_XS", 9, "vec"), ("Q5_K", 12, "float"),
+    ("Q6_K", 3, "vec"), ("Q6_K", 9, "mmq"), ("IQ4_XS", 9, "vec_triton"), ("Q5_K", 12, "float"),
 ])
 def test_down_experts_in_gguf_blocks(w2_type, tokens, kernel, monkeypatch):
     """down_gguf: ggml's vector kernel below moe_mmq_min_tokens, MMQ where
-    the type has it, the float path from gguf_dispatch's threshold (here
+    the type has it (else the series' Triton vector kernel for an imatrix
+    type's short rows), the float path from gguf_dispatch's threshold (here
     lowered to 12); rows weighted by the router."""
     from vllm.model_executor.layers.quantization import gguf_dispatch
 

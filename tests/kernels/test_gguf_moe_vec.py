@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from support.gguf_moe_ref import moe_vec_reference as reference
 from support.gguf_moe_ref import random_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -40,16 +41,6 @@ def vec(monkeypatch):
     monkeypatch.setattr(module, "_empty",
                         lambda *a, **k: torch.full(a, float("nan"), **k))
     return module
-
-
-def reference(x, values, topk_ids, top_k):
-    """fp64 [ids, rows]: values[e] @ x[r // top_k], zeros where e is no expert."""
-    ids = topk_ids.flatten().long()
-    out = torch.zeros(ids.numel(), values.shape[1], dtype=torch.float64)
-    for r, e in enumerate(ids.tolist()):
-        if 0 <= e < values.shape[0]:
-            out[r] = values[e] @ x[r // top_k].double()
-    return out
 
 
 def assert_close(out, ref, tol, what):
@@ -102,12 +93,15 @@ def test_tables_are_gguf_pys_grids_and_signs(qtype):
     """The packed words unpack to gguf-py's grid values (magnitudes 1-127
     where the kernel's sign trick applies them) and the byte masks to the
     sign bits the type reads: ksigns' for a 7-bit index, a byte's own for a
-    sign byte; IQ4_XS's table is its 16 levels."""
+    sign byte; IQ4_XS's table gives each byte its two nibbles' levels."""
     module = _module()
     grid, masks = module._host_tables(Q[qtype])
-    if qtype == "IQ4_XS":
-        assert grid.dtype == np.float32
-        assert np.array_equal(grid, np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32))
+    if qtype == "IQ4_XS":  # a word a byte: its low nibble's level, its high one's
+        levels = np.array(gguf.quants.IQ4_NL.kvalues)
+        byte = np.arange(256)
+        words = grid.view(np.int8).reshape(256, 4)
+        assert np.array_equal(words[:, 0], levels[byte & 15])
+        assert np.array_equal(words[:, 1], levels[byte >> 4])
         return
     cls = getattr(gguf.quants, qtype)
     cls.init_grid()
@@ -158,7 +152,6 @@ sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp16",
        "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32"}
 for qtype in vec.TYPES:
     size = gguf.GGML_QUANT_SIZES[qtype][1]
-    grid = "*fp32" if qtype == gguf.GGMLQuantizationType.IQ4_XS else "*i32"
     for dtype in ("fp16", "bf16"):
         for blocks in (1, 2):  # the down projection of TP-8 and TP-4 ranks
             consts = {"TOP_K": 1, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
@@ -166,7 +159,7 @@ for qtype in vec.TYPES:
             kernel = AotKernel(
                 name=f"{qtype.name}-{dtype}-k{blocks}", fn=vec._moe_vec_kernel,
                 signature={**sig, "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-                           "grid_ptr": grid, **{k: "constexpr" for k in consts}},
+                           **{k: "constexpr" for k in consts}},
                 constexprs=consts, options={"num_warps": vec.NUM_WARPS, "num_stages": 2})
             for cap in ((12, 0), (9, 0)):
                 compiled = compile_for(kernel, cap)

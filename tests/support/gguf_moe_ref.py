@@ -153,6 +153,20 @@ def _expert_gemm(
     return out
 
 
+def moe_vec_reference(
+    x: torch.Tensor, values: torch.Tensor, topk_ids: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """ggml_moe_a8_vec's product in fp64: row r is values[ids[r]] @
+    x[r // top_k] for ids = topk_ids.flatten(), zeros where ids[r] is no
+    expert."""
+    ids = topk_ids.flatten().long().cpu()
+    out = torch.zeros(ids.numel(), values.shape[1], dtype=torch.float64)
+    valid = (ids >= 0) & (ids < values.shape[0])
+    rows = valid.nonzero().flatten()
+    out[rows] = _expert_gemm(x.cpu()[rows // top_k], values, ids[rows])
+    return out
+
+
 class CpuGgufMoeOps:
     """CPU stand-ins for the CUDA ops of vLLM's GGUF MoE paths, exact in
     fp64 from gguf-py's dequantize and rounded to the activation dtype where
