@@ -104,8 +104,8 @@ PATHS = {
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "upstream"}),
         VllmPath("triton-fp16-nomarlin", "the series' path without the Marlin repack of "
-                 "Q4_K/Q4_0/Q8_0 routed experts and with ggml's vector kernel for the "
-                 "IQ2_XXS/IQ3_XXS down projections (VLLM_GGUF_KERNELS=ggml)",
+                 "Q4_K/Q4_0/Q8_0 routed experts and with ggml's vector kernel for every "
+                 "imatrix type's down projection (VLLM_GGUF_KERNELS=ggml)",
                  ("--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16"),
                  {"VLLM_DSA_INDEXER_TRITON": "1", "VLLM_GGUF_KERNELS": "ggml"}),
         VllmPath("triton-fp16-fused", "the series' path with the fused GGUF MoE for "
