@@ -482,6 +482,7 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     # The Triton vector kernel for IQ experts' down projection: goes with the loader.
     "0044": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0045": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0046": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

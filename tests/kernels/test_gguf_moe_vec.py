@@ -148,10 +148,13 @@ from vllm.model_executor.layers.quantization import gguf_moe_vec as vec
 from support.aot import AotKernel, compile_for
 out = {}
 sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp16",
-       "grid_ptr": "*i32", "masks_ptr": "*i32", "N": "i32", "num_experts": "i32",
+       "N": "i32", "num_experts": "i32",
        "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32"}
 for qtype in vec.TYPES:
     size = gguf.GGML_QUANT_SIZES[qtype][1]
+    # the tables' entries: int64 or int32 by type, as moe_vec passes them
+    grid, masks = vec._host_tables(qtype)
+    sig.update(grid_ptr=f"*i{grid.itemsize * 8}", masks_ptr=f"*i{masks.itemsize * 8}")
     for dtype in ("fp16", "bf16"):
         for blocks in (1, 2):  # the down projection of TP-8 and TP-4 ranks
             consts = {"TOP_K": 1, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
