@@ -483,6 +483,8 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0044": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0045": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0046": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0047": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0048": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

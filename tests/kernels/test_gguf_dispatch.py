@@ -36,6 +36,7 @@ from support.gguf_moe_ref import (
     dequantize,
     moe_reference,
     moe_vec_reference,
+    q8_activations,
     random_blocks,
 )
 
@@ -412,28 +413,40 @@ def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     assert mod.use_moe_dequant(10**6, q4k, q4k)
 
 
-@pytest.mark.parametrize("switch,qtype,k,kernel", [
-    ("series", "IQ2_XXS", 512, "vec_triton"), ("fused", "IQ3_XXS", 256, "vec_triton"),
-    ("series", "IQ2_XXS", 768, "vec"), ("ggml", "IQ2_XXS", 256, "vec"),
-    ("upstream", "IQ3_XXS", 256, "vec"), ("series", "IQ4_XS", 256, "vec_triton"),
-    ("fused", "IQ1_M", 512, "vec_triton"), ("series", "IQ2_S", 768, "vec"),
-    ("ggml", "IQ1_S", 256, "vec"), ("series", "Q2_K", 256, "vec")], ids=str)
-def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, kernel, monkeypatch):
+@pytest.mark.parametrize("switch,qtype,k,tokens,kernel", [
+    ("series", "IQ2_XXS", 512, 3, "vec_triton"), ("fused", "IQ3_XXS", 256, 3, "vec_triton"),
+    ("series", "IQ2_XXS", 768, 3, "vec"), ("ggml", "IQ2_XXS", 256, 3, "vec"),
+    ("upstream", "IQ3_XXS", 256, 3, "vec"), ("series", "IQ4_XS", 256, 3, "vec_triton"),
+    ("fused", "IQ1_M", 512, 3, "vec_triton"), ("series", "IQ2_S", 768, 3, "vec"),
+    ("ggml", "IQ1_S", 256, 3, "vec"), ("series", "Q2_K", 256, 3, "vec"),
+    # long rows (LONG_MIN_K, here 1024) of IQ2_XXS and IQ2_XS from 8 tokens
+    ("series", "IQ2_XXS", 1024, 8, "vec_triton"), ("fused", "IQ2_XS", 1024, 8, "vec_triton"),
+    ("series", "IQ2_XXS", 1024, 7, "vec"), ("series", "IQ2_XXS", 768, 8, "vec"),
+    ("series", "IQ1_M", 1024, 8, "vec"), ("ggml", "IQ2_XXS", 1024, 8, "vec")], ids=str)
+def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, tokens, kernel,
+                                                       monkeypatch):
     """Decode batches of routed experts without MMQ: gguf_moe_vec's kernel
-    for the imatrix types' rows of at most its MAX_K (512) values
-    (VLLM_GGUF_KERNELS series, fused), ggml's vector kernel for longer rows,
+    for the imatrix types' rows of at most its MAX_K (512) values and for
+    IQ2_XXS's and IQ2_XS's rows of at least LONG_MIN_K from LONG_MIN_TOKENS
+    (VLLM_GGUF_KERNELS series, fused), ggml's vector kernel for other rows,
     the other types and with ggml, upstream; the same product either way."""
+    from vllm.model_executor.layers.quantization import gguf_moe_vec
+
     mod = _module()
     monkeypatch.setenv("VLLM_GGUF_KERNELS", switch)
     monkeypatch.setattr(mod, "_VEC_READY", set())
+    monkeypatch.setattr(gguf_moe_vec, "LONG_MIN_K", 1024)  # small rows for the interpreter
     kernels = CpuGgufMoeOps().install(monkeypatch)
     raw, values = random_blocks(qtype, (E, INTER, k), torch.Generator().manual_seed(4))
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(3, k, generator=g).half()
-    topk_ids = torch.rand(3, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
+    x = torch.randn(tokens, k, generator=g).half()
+    topk_ids = torch.rand(tokens, E, generator=g).argsort(-1)[:, :TOP_K].to(torch.int32)
     out = mod.moe_vec(x, raw, topk_ids, TOP_K, int(QType[qtype]), INTER)
     assert kernels.calls == [(kernel, qtype)]
-    assert_close_to(out, moe_vec_reference(x, values, topk_ids, TOP_K), 2e-3, qtype)
+    # the Triton kernel reads q8 activations (IQ4_XS: its own); the CPU
+    # stand-in of ggml's, the activations as they are
+    xr = q8_activations(x) if kernel == "vec_triton" and qtype != "IQ4_XS" else x
+    assert_close_to(out, moe_vec_reference(xr, values, topk_ids, TOP_K), 2e-3, qtype)
 
 
 def test_moe_vec_in_a_graph_being_captured_needs_a_run_outside_one(monkeypatch):
@@ -501,7 +514,11 @@ def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monke
     (the split op where gate and up differ) runs the fused kernel where it
     decodes every type and gate and up share one, else the float path; below
     the threshold ggml's kernels as before. The result is the layer's."""
-    from vllm.model_executor.layers.quantization import gguf_fused_moe, gguf_split_moe
+    from vllm.model_executor.layers.quantization import (
+        gguf_fused_moe,
+        gguf_moe_vec,
+        gguf_split_moe,
+    )
     from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
 
     gguf_dispatch, module = _module(), gguf_fused_moe
@@ -525,7 +542,12 @@ def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monke
         else:
             out = gguf_split_moe.fused_moe_gguf_split(x, *raw, topk_weights, topk_ids, *qt,
                                                       "silu")
-        ref = moe_reference(x, *values, topk_weights, topk_ids)
+        # below the threshold gguf_moe_vec takes the IQ halves, on q8
+        # activations (the reference too)
+        q8 = tuple(tokens < 12 and gguf_moe_vec.takes(QType[t], k, tokens)
+                   and t != "IQ4_XS"
+                   for t, k in zip(types, (HIDDEN, HIDDEN, INTER), strict=True))
+        ref = moe_reference(x, *values, topk_weights, topk_ids, q8=q8)
         assert torch.isfinite(out).all()
         err = (out.double() - ref).abs().max().item()
         assert err <= 4e-3 * ref.abs().max().item(), (tokens, err)

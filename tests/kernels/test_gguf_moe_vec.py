@@ -7,9 +7,10 @@ w[topk_ids.flatten()[r]] @ x[r // top_k].
 CPU (TRITON_INTERPRET=1, fp16 and fp32): against the fp64 product of
 gguf-py's values, the output poisoned with NaN, partial row blocks, rows of
 one and of several blocks, top-k 1 (the down projection) and more (gate and
-up), duplicate experts, ids that are no expert (zeros); its tables are
-gguf-py's grids and sign masks; bad input refused; the kernel compiles for
-SM120 and SM90 within SM120's shared memory (where gguf_dispatch takes it:
+up), rows longer than MAX_K at their tile, duplicate experts, ids that
+are no expert (zeros); its tables are gguf-py's grids and sign masks; bad
+input refused; which batches it takes; the kernel compiles for SM120 and
+SM90 within SM120's shared memory (where gguf_dispatch takes it:
 tests/kernels/test_gguf_dispatch.py). GPU (`-m gpu`): a GLM-5 TP-8 rank's
 expert shapes, fp16 and bf16, against fp64 and against ggml's vector
 kernel, captured in a CUDA graph and replayed on new routes.
@@ -22,8 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.gguf_moe_ref import moe_vec_reference as reference
-from support.gguf_moe_ref import random_blocks
+from support.gguf_moe_ref import moe_vec_reference, q8_activations, random_blocks
 
 Q = gguf.GGMLQuantizationType
 TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ4_XS")
@@ -43,6 +43,13 @@ def vec(monkeypatch):
     return module
 
 
+def reference(x, values, topk_ids, top_k, qtype):
+    """fp64 of the product the kernel computes: on q8 activations but for
+    IQ4_XS."""
+    xr = x if qtype == "IQ4_XS" else q8_activations(x)
+    return moe_vec_reference(xr, values, topk_ids, top_k)
+
+
 def assert_close(out, ref, tol, what):
     assert out.shape == ref.shape, what
     assert torch.isfinite(out).all(), f"{what}: NaN or inf in the output"
@@ -60,6 +67,7 @@ CPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
     (1, 1, 40, 256, 16),  # the down projection: one block a row, a partial row block
     (3, 3, 24, 768, 16),  # gate and up: rows of three blocks
     (5, 2, 33, 512, 32),  # odd rows, fewer than one row block
+    (4, 2, 20, 768, None),  # rows longer than MAX_K: their own tile
 ])
 def test_moe_vec_matches_fp64(vec, qtype, dtype, tokens, top_k, rows, k, block_n):
     experts = 5
@@ -70,7 +78,7 @@ def test_moe_vec_matches_fp64(vec, qtype, dtype, tokens, top_k, rows, k, block_n
     topk_ids = topk_ids.to(torch.int32)
     out = vec.moe_vec(x, raw, topk_ids, top_k, int(Q[qtype]), rows, block_n=block_n)
     assert out.dtype == dtype
-    assert_close(out, reference(x, values, topk_ids, top_k), CPU_TOL[dtype], qtype)
+    assert_close(out, reference(x, values, topk_ids, top_k, qtype), CPU_TOL[dtype], qtype)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -83,7 +91,7 @@ def test_duplicate_experts_and_ids_that_are_no_expert(vec, qtype):
     x = torch.randn(3, k, generator=g).half()
     topk_ids = torch.tensor([[2, 2], [-1, 1], [4, 0]], dtype=torch.int32)
     out = vec.moe_vec(x, raw, topk_ids, 2, int(Q[qtype]), rows, block_n=16)
-    ref = reference(x, values, topk_ids, 2)
+    ref = reference(x, values, topk_ids, 2, qtype)
     assert_close(out, ref, CPU_TOL[torch.float16], qtype)
     assert torch.equal(out[0], out[1]) and not out[2].any() and not out[4].any()
 
@@ -141,6 +149,23 @@ def test_bad_input_is_refused():
     assert not module.supported(int(Q.IQ3_S), 6144)  # loaded as Q6_K (0027)
 
 
+def test_takes_short_rows_and_the_long_rows_measured_faster():
+    """gguf_dispatch's choice: rows of at most MAX_K values at any count;
+    IQ2_XXS's and IQ2_XS's rows of 6,144 values and more (GLM-5's and
+    DeepSeek-V3.2's hidden sizes) from 8 tokens; nothing else."""
+    module = _module()
+    iq2, iq2xs, iq3, iq4 = (int(Q[t]) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_XS"))
+    assert module.takes(iq3, 256, 1) and module.takes(iq4, 512, 256)
+    assert not module.takes(iq3, 768, 1)
+    for qtype in (iq2, iq2xs):
+        assert module.takes(qtype, 6144, 8) and module.takes(qtype, 7168, 32)
+        assert not module.takes(qtype, 6144, 7)
+        assert not module.takes(qtype, 2048, 32)  # not measured
+    for other in ("IQ3_XXS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ4_XS"):
+        assert not module.takes(int(Q[other]), 6144, 32), other
+    assert not module.takes(int(Q.Q4_K), 256, 1) and not module.takes(iq2, 6100, 32)
+
+
 _AOT_SCRIPT = r"""
 import json
 import gguf
@@ -149,7 +174,8 @@ from support.aot import AotKernel, compile_for
 out = {}
 sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp16",
        "N": "i32", "num_experts": "i32",
-       "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32"}
+       "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_out": "i32",
+       "xq_ptr": "*i64", "xd_ptr": "*fp32"}
 for qtype in vec.TYPES:
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     # the tables' entries: int64 or int32 by type, as moe_vec passes them
@@ -158,7 +184,7 @@ for qtype in vec.TYPES:
     for dtype in ("fp16", "bf16"):
         for blocks in (1, 2):  # the down projection of TP-8 and TP-4 ranks
             consts = {"TOP_K": 1, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
-                      "BLOCK_N": vec.BLOCK_N}
+                      "BLOCK_N": vec.BLOCK_N, "EMULATE": 0}
             kernel = AotKernel(
                 name=f"{qtype.name}-{dtype}-k{blocks}", fn=vec._moe_vec_kernel,
                 signature={**sig, "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
@@ -167,19 +193,44 @@ for qtype in vec.TYPES:
             for cap in ((12, 0), (9, 0)):
                 compiled = compile_for(kernel, cap)
                 out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compiled.metadata.shared
+    if qtype in vec.LONG_TYPES:
+        for dtype in ("fp16", "bf16"):
+            for blocks in (24, 28):  # gate and up: GLM-5's and DeepSeek-V3.2's hidden
+                consts = {"TOP_K": 8, "BLOCKS": blocks, "QTYPE": int(qtype), "BYTES": size,
+                          "BLOCK_N": vec.LONG_BLOCK_N, "EMULATE": 0}
+                kernel = AotKernel(
+                    name=f"{qtype.name}-{dtype}-k{blocks}", fn=vec._moe_vec_kernel,
+                    signature={**sig, "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                               **{k: "constexpr" for k in consts}},
+                    constexprs=consts,
+                    options={"num_warps": vec.LONG_NUM_WARPS, "num_stages": 2})
+                for cap in ((12, 0), (9, 0)):
+                    compiled = compile_for(kernel, cap)
+                    out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compiled.metadata.shared
+for dtype in ("fp16", "bf16"):
+    for blocks in (1, 2, 24, 28):
+        kernel = AotKernel(
+            name=f"q8-{dtype}-k{blocks}", fn=vec._quantize_q8_kernel,
+            signature={"x_ptr": f"*{dtype}", "xq_ptr": "*i32", "xd_ptr": "*fp32",
+                       "stride_x": "i32", "BLOCKS": "constexpr"},
+            constexprs={"BLOCKS": blocks}, options={"num_warps": 2, "num_stages": 2})
+        for cap in ((12, 0), (9, 0)):
+            compiled = compile_for(kernel, cap)
+            out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compiled.metadata.shared
 print(json.dumps(out))
 """
 
 
 def test_moe_vec_compiles_for_sm120_and_sm90(tmp_path):
-    """Every type, fp16 and bf16, rows of one and two blocks (what
-    gguf_dispatch gives it) compile for SM120 (and SM90) within SM120's
-    shared memory. A fresh process: the interpreter
-    patches triton.language in this one."""
+    """Every type, fp16 and bf16, rows of one and two blocks, and the long
+    rows' types at 24 and 28 blocks with their tile (what gguf_dispatch
+    gives it), and the q8 kernel, compile for SM120 (and SM90) within
+    SM120's shared memory. A fresh process: the interpreter patches
+    triton.language in this one."""
     from support.aot import SM120_MAX_SHARED_BYTES, run_aot_script
 
     shared = run_aot_script(_AOT_SCRIPT, tmp_path)
-    assert len(shared) == 56
+    assert len(shared) == 7 * 2 * 2 * 2 + 2 * 2 * 2 * 2 + 2 * 4 * 2
     assert all(0 <= v <= SM120_MAX_SHARED_BYTES for v in shared.values()), shared
 
 
@@ -218,7 +269,7 @@ def test_moe_vec_on_the_gpu_in_a_cuda_graph(qtype, dtype):
             ids = ids.to(torch.int32).cuda().contiguous()
             out = module.moe_vec(x.cuda(), raw, ids, kk, int(Q[qtype]), rows)
             ggml = ops.ggml_moe_a8_vec(x.cuda(), raw, ids, kk, int(Q[qtype]), rows, n)
-            ref = reference(x, values, ids.cpu(), kk)
+            ref = reference(x, values, ids.cpu(), kk, qtype)
             what = f"{qtype} {rows}x{k} {tokens} tokens"
             assert_close(out.cpu(), ref, GPU_TOL[dtype], what)
             assert_close(ggml.cpu(), ref, GGML_TOL, f"{what} (ggml)")
@@ -238,5 +289,5 @@ def test_moe_vec_on_the_gpu_in_a_cuda_graph(qtype, dtype):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert_close(out.cpu(), reference(new_x, values, new_ids, 1), GPU_TOL[dtype],
+        assert_close(out.cpu(), reference(new_x, values, new_ids, 1, qtype), GPU_TOL[dtype],
                      f"{qtype} graph replay {seed}")

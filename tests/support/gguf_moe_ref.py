@@ -100,16 +100,22 @@ def moe_reference(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    q8: tuple[bool, bool, bool] = (False, False, False),
 ) -> torch.Tensor:
     """fp64 ``[T, H]``: sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) *
     (up[e] @ x[t])) over token t's experts e = topk_ids[t, j]; gate and up
-    ``[E, I, H]``, down ``[E, H, I]`` (fp64 values)."""
+    ``[E, I, H]``, down ``[E, H, I]`` (fp64 values). ``q8``: which of gate,
+    up and down read their input as q8 (q8_activations; the down
+    projection's input rounded to x's dtype first), as gguf_moe_vec does."""
     xd = x.double()
+    xg = q8_activations(x) if q8[0] else xd
+    xu = q8_activations(x) if q8[1] else xd
     out = torch.zeros(xd.shape, dtype=torch.float64, device=xd.device)
     for e in topk_ids.unique().tolist():
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        xe = xd[tokens]
-        h = F.silu(xe @ gate[e].double().T) * (xe @ up[e].double().T)
+        h = F.silu(xg[tokens] @ gate[e].double().T) * (xu[tokens] @ up[e].double().T)
+        if q8[2]:
+            h = q8_activations(h.to(x.dtype))
         y = h @ down[e].double().T
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].double()[:, None])
     return out
@@ -151,6 +157,18 @@ def _expert_gemm(
         rows = (experts == e).nonzero().flatten()
         out[rows] = x[rows].double() @ weights[e].T
     return out
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as gguf_moe_vec's kernel reads it for every type but IQ4_XS (and
+    ggml's vector kernel, as q8_1): 32 values to a scale, their largest
+    magnitude / 127, each rounded to a signed byte; fp64 of the values the
+    bytes stand for. The rounding in fp32, as the kernel does it."""
+    v = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.floor(v * inv + 0.5)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
 def moe_vec_reference(
