@@ -7,10 +7,17 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 
 import pytest
 
+import run_engine
 from cases import models_dir
+
+
+def pytest_configure(config):
+    if threading.current_thread() is threading.main_thread():
+        run_engine.stop_on_sigterm()
 
 
 @pytest.fixture(scope="session")

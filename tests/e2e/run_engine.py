@@ -24,11 +24,13 @@ which reads what a run left (test_engine.py, rejudge.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +65,38 @@ def engine_result(out_file: Path, log: str) -> dict:
     return result
 
 
+# The process groups of the engines launch() is waiting for: each runs in a
+# session of its own, which a signal to the test run does not reach.
+_RUNNING: set[int] = set()
+_STOPPED = threading.Event()
+# held from the check for _STOPPED to the engine's entry in _RUNNING
+# (re-entrant: stop_all runs in a signal handler of the main thread)
+_LOCK = threading.RLock()
+
+
+def stop_all() -> None:
+    """Kill every engine launch() is waiting for (its process group); later
+    launches start none."""
+    with _LOCK:
+        _STOPPED.set()
+        for pgid in list(_RUNNING):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def stop_on_sigterm() -> None:
+    """On SIGTERM (`timeout`, a CI runner), kill the running engines, then
+    stop as on Ctrl-C (KeyboardInterrupt: fixtures' teardown runs). By
+    default SIGTERM ends Python at once, and the engines would hold the
+    GPU after the run."""
+
+    def stop(signum, frame):
+        stop_all()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def launch(case: dict, work: Path, stem: str, env: dict[str, str]) -> dict:
     """Run one engine on case (this file, its own process) in work/<stem>.*:
     its result (engine_result), or {"error": ...} with its log's end.
@@ -71,9 +105,13 @@ def launch(case: dict, work: Path, stem: str, env: dict[str, str]) -> dict:
     case_file, out_file = work / f"{stem}.json", work / f"{stem}.out.json"
     case_file.write_text(json.dumps(case))
     limit = int(os.environ.get("E2E_ENGINE_TIMEOUT", "900"))
-    proc = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), str(case_file),
-                             str(out_file)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with _LOCK:
+        if _STOPPED.is_set():
+            return {"error": f"{stem}: not started, the test run is stopping"}
+        proc = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), str(case_file),
+                                 str(out_file)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _RUNNING.add(proc.pid)
     try:
         log, _ = proc.communicate(timeout=limit)
         timed_out = False
@@ -81,6 +119,8 @@ def launch(case: dict, work: Path, stem: str, env: dict[str, str]) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         timed_out = True
+    finally:
+        _RUNNING.discard(proc.pid)
     (work / f"{stem}.log").write_text(log)
     name = Path(case["gguf"]).name
     if timed_out:
