@@ -61,6 +61,8 @@ WORKLOADS = {
         _single(4096, 3), _single(32768, 2), _single(131072, 2),
         _concurrent(8), _concurrent(32), _concurrent(64),
         _prefill(4096, 4), _prefill(16384, 3), _prefill(65536, 2),
+        # last: the others' prompt seeds (prompt_seed) stay as recorded
+        _concurrent(128),
     ]
 }
 QUICK_WORKLOADS = ["single-4k", "concurrent-32", "prefill-16k"]
