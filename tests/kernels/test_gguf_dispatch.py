@@ -449,6 +449,45 @@ def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, tokens,
     assert_close_to(out, moe_vec_reference(xr, values, topk_ids, TOP_K), 2e-3, qtype)
 
 
+@pytest.mark.parametrize("types", [("IQ2_XXS", "IQ2_XXS", "IQ2_XXS"),
+                                   ("IQ2_XXS", "IQ3_XXS", "IQ1_M")], ids=str)
+def test_a_float_path_run_readies_the_vector_kernel_for_graphs_of_its_size(types,
+                                                                          monkeypatch):
+    """vLLM warms a batch size up outside the graph, then captures it, the
+    largest first. A warm-up from MOE_DEQUANT_MIN_TOKENS_VEC takes the float
+    path; it readies gguf_moe_vec's kernel for the capture of the same size
+    (each projection it takes), so the graph does not keep ggml's."""
+    from vllm.model_executor.layers.quantization import gguf_split_moe
+    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "_VEC_READY", set())
+    monkeypatch.setattr(mod, "MOE_DEQUANT_MIN_TOKENS_VEC", 12)
+    capturing = [False]
+    monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    floats = CpuFloatKernels().install(monkeypatch)
+    raw, _ = experts(types)
+    qt = [int(QType[t]) for t in types]
+    x, topk_weights, topk_ids = batch(12, torch.float16, seed=3)
+
+    def layer():
+        if types[0] == types[1]:
+            return _fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights,
+                                   topk_ids, qt[0], qt[2], "silu")
+        return gguf_split_moe._fused_moe_gguf_split(x, *raw, topk_weights, topk_ids, *qt,
+                                                    "silu")
+
+    layer()  # the warm-up: the float path
+    assert floats.groups
+    kernels.calls.clear()
+    capturing[0] = True
+    layer()  # the capture: every projection on gguf_moe_vec's kernel
+    halves = types if types[0] != types[1] else types[1:]
+    assert kernels.calls == [("vec_triton", t) for t in halves]
+
+
 def test_moe_vec_in_a_graph_being_captured_needs_a_run_outside_one(monkeypatch):
     """Capturing a CUDA graph, the Triton vector kernel runs only for
     calls like one that ran it outside a graph before (experts' type and
