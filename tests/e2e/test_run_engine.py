@@ -24,8 +24,8 @@ run_engine.stop_on_sigterm()
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                           start_new_session=True)
 run_engine._RUNNING.add(engine.pid)
-print(engine.pid, flush=True)
 try:
+    print(engine.pid, flush=True)  # in the try: the signal may come at once
     time.sleep(300)
 except KeyboardInterrupt as e:
     print("interrupted:", e, flush=True)
