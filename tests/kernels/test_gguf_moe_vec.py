@@ -213,7 +213,8 @@ for dtype in ("fp16", "bf16"):
             name=f"q8-{dtype}-k{blocks}", fn=vec._quantize_q8_kernel,
             signature={"x_ptr": f"*{dtype}", "xq_ptr": "*i32", "xd_ptr": "*fp32",
                        "stride_x": "i32", "BLOCKS": "constexpr"},
-            constexprs={"BLOCKS": blocks}, options={"num_warps": 2, "num_stages": 2})
+            constexprs={"BLOCKS": blocks},
+            options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False})
         for cap in ((12, 0), (9, 0)):
             compiled = compile_for(kernel, cap)
             out[f"sm{cap[0]}{cap[1]}-{kernel.name}"] = compiled.metadata.shared
