@@ -7,13 +7,15 @@ w[topk_ids.flatten()[r]] @ x[r // top_k].
 CPU (TRITON_INTERPRET=1, fp16 and fp32): against the fp64 product of
 gguf-py's values, the output poisoned with NaN, partial row blocks, rows of
 one and of several blocks, top-k 1 (the down projection) and more (gate and
-up), rows longer than MAX_K at their tile, duplicate experts, ids that
-are no expert (zeros); its tables are gguf-py's grids and sign masks; bad
+up), rows longer than MAX_K at their tile, the q8 quantizer's bytes
+against the reference's, duplicate experts, ids that are no expert
+(zeros); its tables are gguf-py's grids and sign masks; bad
 input refused; which batches it takes; the kernel compiles for SM120 and
 SM90 within SM120's shared memory (where gguf_dispatch takes it:
 tests/kernels/test_gguf_dispatch.py). GPU (`-m gpu`): a GLM-5 TP-8 rank's
 expert shapes, fp16 and bf16, against fp64 and against ggml's vector
-kernel, captured in a CUDA graph and replayed on new routes.
+kernel, captured in a CUDA graph and replayed on new routes; the q8
+quantizer's bytes against the reference's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def reference(x, values, topk_ids, top_k, qtype):
     return moe_vec_reference(xr, values, topk_ids, top_k)
 
 
+def q8_values(xq: torch.Tensor, xd: torch.Tensor, shape) -> torch.Tensor:
+    """fp64 of the values _quantize_q8's bytes and scales stand for."""
+    rows, k = shape
+    q = xq.view(torch.int8).view(rows, k // 32, 32).double()
+    return (q * xd.view(rows, k // 32, 1).double()).view(rows, k)
+
+
 def assert_close(out, ref, tol, what):
     assert out.shape == ref.shape, what
     assert torch.isfinite(out).all(), f"{what}: NaN or inf in the output"
@@ -79,6 +88,18 @@ def test_moe_vec_matches_fp64(vec, qtype, dtype, tokens, top_k, rows, k, block_n
     out = vec.moe_vec(x, raw, topk_ids, top_k, int(Q[qtype]), rows, block_n=block_n)
     assert out.dtype == dtype
     assert_close(out, reference(x, values, topk_ids, top_k, qtype), CPU_TOL[dtype], qtype)
+
+
+@pytest.mark.parametrize("dtype", list(CPU_TOL), ids=str)
+def test_q8_quantizer_rounds_as_the_reference(dtype):
+    """_quantize_q8's bytes and scales are q8_activations' to the bit: both
+    divide in IEEE and round twice (the tests' references read q8 through
+    q8_activations)."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 512, generator=g) * 0.3).to(dtype)
+    xq, xd = _module()._quantize_q8(x)
+    differ = (q8_values(xq, xd, x.shape) != q8_activations(x)).sum().item()
+    assert differ == 0, f"{differ} of {x.numel()} q8 values differ from the reference"
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -243,6 +264,22 @@ def test_moe_vec_compiles_for_sm120_and_sm90(tmp_path):
 GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
 # against ggml's vector kernel, which quantizes the activations to 8 bits
 GGML_TOL = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOL), ids=str)
+def test_q8_quantizer_on_the_gpu_rounds_as_the_reference(dtype):
+    """The GPU's q8 bytes and scales are q8_activations' to the bit, on 25
+    million values: IEEE divisions and no fused multiply-add on either side
+    (a value near a half step otherwise goes to the neighbouring byte)."""
+    module = _module()
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(4096, 6144, generator=g) * 0.3).to(dtype)
+    xq, xd = module._quantize_q8(x.cuda())
+    got = q8_values(xq.cpu(), xd.cpu(), x.shape)
+    ref = q8_activations(x)
+    differ = (got != ref).sum().item()
+    assert differ == 0, f"{differ} of {x.numel()} q8 values differ from the reference"
 
 
 @pytest.mark.gpu

@@ -166,7 +166,10 @@ def q8_activations(x: torch.Tensor) -> torch.Tensor:
     bytes stand for. The rounding in fp32, as the kernel does it."""
     v = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = v.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor over a tensor: torch computes a number over a tensor as the
+    # tensor's reciprocal times the number, another rounding than the
+    # kernel's IEEE division
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.floor(v * inv + 0.5)
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
