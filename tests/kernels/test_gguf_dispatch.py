@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType as QType
 
 from support.gguf_layers import gguf_layer
 from support.gguf_moe_ref import (
+    VEC_FLOAT_ACTIVATIONS,
     CpuGgufMoeOps,
     dequantize,
     moe_reference,
@@ -445,7 +446,7 @@ def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, tokens,
     assert kernels.calls == [(kernel, qtype)]
     # the Triton kernel reads q8 activations (IQ4_XS: its own); the CPU
     # stand-in of ggml's, the activations as they are
-    xr = q8_activations(x) if kernel == "vec_triton" and qtype != "IQ4_XS" else x
+    xr = q8_activations(x) if kernel == "vec_triton" and qtype not in VEC_FLOAT_ACTIVATIONS else x
     assert_close_to(out, moe_vec_reference(xr, values, topk_ids, TOP_K), 2e-3, qtype)
 
 
@@ -584,7 +585,7 @@ def test_the_fused_switch_runs_it_where_the_float_path_would(types, fused, monke
         # below the threshold gguf_moe_vec takes the IQ halves, on q8
         # activations (the reference too)
         q8 = tuple(tokens < 12 and gguf_moe_vec.takes(QType[t], k, tokens)
-                   and t != "IQ4_XS"
+                   and t not in VEC_FLOAT_ACTIVATIONS
                    for t, k in zip(types, (HIDDEN, HIDDEN, INTER), strict=True))
         ref = moe_reference(x, *values, topk_weights, topk_ids, q8=q8)
         assert torch.isfinite(out).all()

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as QType
 
 from support.gguf_moe_ref import (
     MMQ_TYPES,
+    VEC_FLOAT_ACTIVATIONS,
     CpuGgufMoeOps,
     dequantize,
     moe_reference,
@@ -148,7 +149,7 @@ def test_split_path_matches_the_fp64_reference(types, tokens, dtype, monkeypatch
     # gguf_moe_vec reads q8 activations (IQ4_XS its own): the reference
     # too; the down projection's input, computed here in fp64, can round
     # to a neighbouring q8 step: a step of one value, within Q8_STEP_TOL
-    q8 = tuple(k == "vec_triton" and t != "IQ4_XS" for k, t in expected)
+    q8 = tuple(k == "vec_triton" and t not in VEC_FLOAT_ACTIVATIONS for k, t in expected)
     ref = moe_reference(x, *values, topk_weights, topk_ids, q8=q8)
     tol = max(CPU_TOL[dtype], Q8_STEP_TOL) if q8[2] else CPU_TOL[dtype]
     assert_close_to(out, ref, tol, f"{types} x {tokens} {dtype}")

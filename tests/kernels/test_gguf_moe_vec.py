@@ -25,7 +25,12 @@ import numpy as np
 import pytest
 import torch
 
-from support.gguf_moe_ref import moe_vec_reference, q8_activations, random_blocks
+from support.gguf_moe_ref import (
+    VEC_FLOAT_ACTIVATIONS,
+    moe_vec_reference,
+    q8_activations,
+    random_blocks,
+)
 
 Q = gguf.GGMLQuantizationType
 TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ4_XS")
@@ -48,7 +53,7 @@ def vec(monkeypatch):
 def reference(x, values, topk_ids, top_k, qtype):
     """fp64 of the product the kernel computes: on q8 activations but for
     IQ4_XS."""
-    xr = x if qtype == "IQ4_XS" else q8_activations(x)
+    xr = x if qtype in VEC_FLOAT_ACTIVATIONS else q8_activations(x)
     return moe_vec_reference(xr, values, topk_ids, top_k)
 
 

@@ -159,6 +159,11 @@ def _expert_gemm(
     return out
 
 
+# the gguf_moe_vec types whose activations the kernel reads in their dtype,
+# not as q8_activations
+VEC_FLOAT_ACTIVATIONS = ("IQ4_XS",)
+
+
 def q8_activations(x: torch.Tensor) -> torch.Tensor:
     """x as gguf_moe_vec's kernel reads it for every type but IQ4_XS (and
     ggml's vector kernel, as q8_1): 32 values to a scale, their largest
