@@ -420,9 +420,9 @@ def test_linears_in_a_graph_being_captured_need_a_run_outside_one(monkeypatch):
     ("upstream", "IQ3_XXS", 256, 3, "vec"), ("series", "IQ4_XS", 256, 3, "vec_triton"),
     ("fused", "IQ1_M", 512, 3, "vec_triton"), ("series", "IQ2_S", 768, 3, "vec"),
     ("ggml", "IQ1_S", 256, 3, "vec"), ("series", "Q2_K", 256, 3, "vec"),
-    # long rows (LONG_MIN_K, here 1024) of IQ2_XXS and IQ2_XS from 8 tokens
-    ("series", "IQ2_XXS", 1024, 8, "vec_triton"), ("fused", "IQ2_XS", 1024, 8, "vec_triton"),
-    ("series", "IQ2_XXS", 1024, 7, "vec"), ("series", "IQ2_XXS", 768, 8, "vec"),
+    # long rows (LONG_MIN_K, here 1024) of IQ2_XXS and IQ2_XS from 2 tokens
+    ("series", "IQ2_XXS", 1024, 2, "vec_triton"), ("fused", "IQ2_XS", 1024, 8, "vec_triton"),
+    ("series", "IQ2_XXS", 1024, 1, "vec"), ("series", "IQ2_XXS", 768, 8, "vec"),
     ("series", "IQ1_M", 1024, 8, "vec"), ("ggml", "IQ2_XXS", 1024, 8, "vec")], ids=str)
 def test_moe_vec_takes_the_triton_kernel_for_its_types(switch, qtype, k, tokens, kernel,
                                                        monkeypatch):

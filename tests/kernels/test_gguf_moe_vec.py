@@ -178,14 +178,14 @@ def test_bad_input_is_refused():
 def test_takes_short_rows_and_the_long_rows_measured_faster():
     """gguf_dispatch's choice: rows of at most MAX_K values at any count;
     IQ2_XXS's and IQ2_XS's rows of 6,144 values and more (GLM-5's and
-    DeepSeek-V3.2's hidden sizes) from 8 tokens; nothing else."""
+    DeepSeek-V3.2's hidden sizes) from 2 tokens; nothing else."""
     module = _module()
     iq2, iq2xs, iq3, iq4 = (int(Q[t]) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_XS"))
     assert module.takes(iq3, 256, 1) and module.takes(iq4, 512, 256)
     assert not module.takes(iq3, 768, 1)
     for qtype in (iq2, iq2xs):
-        assert module.takes(qtype, 6144, 8) and module.takes(qtype, 7168, 32)
-        assert not module.takes(qtype, 6144, 7)
+        assert module.takes(qtype, 6144, 2) and module.takes(qtype, 7168, 32)
+        assert not module.takes(qtype, 6144, 1)
         assert not module.takes(qtype, 2048, 32)  # not measured
     for other in ("IQ3_XXS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ4_XS"):
         assert not module.takes(int(Q[other]), 6144, 32), other
