@@ -331,10 +331,11 @@ def test_workload_matrix():
     assert [w[n].input_len for n in single] == [4096, 32768, 131072]
     assert all(w[n].concurrency == 1 for n in ("single-4k", "prefill-64k"))
     for n, c in (("concurrent-8", 8), ("concurrent-32", 32), ("concurrent-64", 64),
-                 ("concurrent-128", 128)):
+                 ("concurrent-128", 128), ("concurrent-256", 256)):
         assert (w[n].input_len, w[n].output_len, w[n].concurrency) == (2048, 512, c)
     # a workload added later goes last: the earlier ones' prompts stay
     assert wl.prompt_seed(w["prefill-64k"]) == 1016
+    assert wl.prompt_seed(w["concurrent-128"]) == 1018
     prefill = ("prefill-4k", "prefill-16k", "prefill-64k")
     assert [w[n].input_len for n in prefill] == [4096, 16384, 65536]
     assert all(w[n].output_len == 1 for n in prefill)

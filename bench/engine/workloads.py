@@ -47,8 +47,9 @@ def _single(ctx: int, prompts: int) -> Workload:
     return Workload(f"single-{ctx // 1024}k", "single", ctx, 256, 1, prompts)
 
 
-def _concurrent(n: int) -> Workload:
-    return Workload(f"concurrent-{n}", "concurrent", 2048, 512, n, 2 * n, warmup_prompts=n)
+def _concurrent(n: int, waves: int = 2) -> Workload:
+    return Workload(f"concurrent-{n}", "concurrent", 2048, 512, n, waves * n,
+                    warmup_prompts=n)
 
 
 def _prefill(n: int, prompts: int) -> Workload:
@@ -63,6 +64,9 @@ WORKLOADS = {
         _prefill(4096, 4), _prefill(16384, 3), _prefill(65536, 2),
         # last: the others' prompt seeds (prompt_seed) stay as recorded
         _concurrent(128),
+        # decode batches of 256 tokens, inside vLLM's captured sizes (to 512);
+        # one wave, so that its prompts share no start with the others'
+        _concurrent(256, waves=1),
     ]
 }
 QUICK_WORKLOADS = ["single-4k", "concurrent-32", "prefill-16k"]
