@@ -11,8 +11,9 @@ One run of one bench is one JSON-lines file,
 
 - the first line, ``{"record": "run", "bench": ..., "env": {...},
   "figures": {...}, "notes": [...]}``: the environment (card, driver,
-  torch, triton, series label, repo commit, command, date) and the run's
-  own figures (e.g. the measured copy bandwidth);
+  torch, triton, the series label of the vLLM that ran, repo commit,
+  command, date) and the run's own figures (e.g. the measured copy
+  bandwidth);
 - then one line per measured case, ``{"record": "row", "table": ...,
   "inputs": {...}, "figures": {...}}``: what was run and every number
   measured (or derived from the measurements) for it.
@@ -72,6 +73,23 @@ def repo_state() -> dict[str, str]:
     return {"series": series, "commit": commit}
 
 
+def measured_series(checked_out: str) -> dict[str, str]:
+    """The series a run measures: the version of the vLLM this Python
+    imports (the servers and kernels run it), which need not be the
+    checked-out series (a wheel built from another commit, a branch's
+    tree beside main's wheel). ``series_checked_out`` names the tree's
+    when the two differ; without an installed vLLM, the tree's."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return {"series": checked_out}
+    if installed == checked_out:
+        return {"series": installed}
+    return {"series": installed, "series_checked_out": checked_out}
+
+
 def environment() -> dict[str, Any]:
     """Where this run happens: date, card (CUDA device 0), driver,
     software, series and commit. Needs torch (and a GPU for the card)."""
@@ -104,7 +122,8 @@ def environment() -> dict[str, Any]:
                 ]
             ),
         )
-    env.update(repo_state())
+    state = repo_state()
+    env.update(measured_series(state["series"]), commit=state["commit"])
     env["command"] = command_line(sys.argv)
     return env
 

@@ -49,10 +49,13 @@ def table(head: list[str], align: str, rows: list[list[str]]) -> list[str]:
 def header(run: dict) -> list[str]:
     env = run["env"]
     g = lambda k: env.get(k, "?")  # noqa: E731
+    # the installed wheel's series ran; the tree beside it may be another's
+    tree = (f" (checked-out tree: {env['series_checked_out']})"
+            if env.get("series_checked_out") else "")
     lines = [
         (f"Date: {g('date_utc')} UTC. Card: {g('card')} ({g('sms')} SMs, capability "
          f"{g('capability')}), driver {g('driver')}, torch {g('torch')}, triton "
-         f"{g('triton')}. Series {g('series')}, repo commit {g('commit')}. "
+         f"{g('triton')}. Series {g('series')}{tree}, repo commit {g('commit')}. "
          f"Command: `{g('command')}`."),
     ]
     for note in run.get("notes", []):

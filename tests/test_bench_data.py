@@ -395,3 +395,32 @@ def test_render_names_records_of_another_series():
     note = render.other_series(run, "0.23.0+dsa.sm120.bbbb")
     assert note and "0.23.0+dsa.sm120.aaaa" in note and "0.23.0+dsa.sm120.bbbb" in note
     assert render.other_series(run, "0.23.0+dsa.sm120.aaaa") is None
+
+
+@pytest.mark.parametrize(
+    "installed, expected",
+    [
+        (None, {"series": "0.23.0+dsa.sm120.bbbb"}),
+        ("0.23.0+dsa.sm120.bbbb", {"series": "0.23.0+dsa.sm120.bbbb"}),
+        ("0.23.0+dsa.sm120.aaaa",
+         {"series": "0.23.0+dsa.sm120.aaaa", "series_checked_out": "0.23.0+dsa.sm120.bbbb"}),
+    ],
+)
+def test_a_run_records_the_series_of_the_vllm_that_ran(monkeypatch, installed, expected):
+    """A run measures the installed wheel, which need not be the checked-out
+    tree's series (a branch checked out beside main's wheel); the header
+    names both when they differ."""
+    from importlib import metadata
+
+    import render
+
+    def version(name):
+        if name != "vllm" or installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert benchdata.measured_series("0.23.0+dsa.sm120.bbbb") == expected
+    head = render.header({"env": expected})[0]
+    assert f"Series {expected['series']}" in head
+    assert ("checked-out tree: 0.23.0+dsa.sm120.bbbb" in head) == ("series_checked_out" in expected)
