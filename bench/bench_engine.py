@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(WORK), help="server logs, raw results")
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start nothing new after this many seconds, nor wait past them for a "
-                        "server to be ready (partial data is kept)")
+                        "server to be ready (partial data is kept; a server that is not "
+                        "leaves its Python stacks at the end of its log)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="start each vLLM path's server this many times, the paths in turn "
                         "(A B A B); engine.md gives each figure's median and range")

@@ -645,6 +645,9 @@ def test_a_server_the_budget_cannot_wait_for_is_not_started(tmp_path):
     finally:
         server.stop()
     assert server.proc.poll() is not None
+    # where it waited, in its log: faulthandler's stack of the process
+    log = (tmp_path / "server.log").read_text()
+    assert "Fatal Python error: Aborted" in log and 'File "<string>", line 1' in log, log
 
 
 VLLM_LOG = """\

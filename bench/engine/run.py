@@ -14,6 +14,7 @@ The data file is rewritten after every workload, so a run cut short
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -110,6 +111,9 @@ class Server:
         self.cmd, self.log_path, self.health = cmd, log, health
         self.log = open(log, "w")  # noqa: SIM115 (open while the server runs; stop() closes it)
         self.t0 = time.monotonic()
+        # faulthandler: SIGABRT makes each Python process of the server
+        # write its threads' stacks to the log (a start that hangs, below)
+        env = dict(env, PYTHONFAULTHANDLER="1")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -128,8 +132,19 @@ class Server:
             except OSError:
                 pass
             time.sleep(2)
-        raise RuntimeError(f"server not ready in {timeout:.0f} s ({limit}):\n"
-                           f"{self.log_path.read_text()[-6000:]}")
+        self.abort_with_stacks()
+        raise RuntimeError(f"server not ready in {timeout:.0f} s ({limit}); its processes' "
+                           f"Python stacks at the deadline end its log:\n"
+                           f"{self.log_path.read_text(errors='replace')[-6000:]}")
+
+    def abort_with_stacks(self, wait: float = 15) -> None:
+        """SIGABRT to the server's process group: faulthandler writes where
+        each Python process was to the log, then they end."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait)
+        self.log.flush()
 
     def stop(self, wait_gpu: bool = True) -> None:
         """wait_gpu: until the GPU's memory is back (no other server up)."""

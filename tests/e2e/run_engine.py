@@ -74,14 +74,27 @@ _STOPPED = threading.Event()
 _LOCK = threading.RLock()
 
 
+def _abort(pgids: list[int], grace: float = 2.0) -> None:
+    """SIGABRT to the engines' process groups (faulthandler, on in their
+    environment, writes each Python process's stacks to its log at once:
+    where a hung engine waited), then, ``grace`` seconds later, SIGKILL to
+    whatever is left of them."""
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGABRT)
+    if pgids:
+        time.sleep(grace)
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 def stop_all() -> None:
-    """Kill every engine launch() is waiting for (its process group); later
-    launches start none."""
+    """End every engine launch() is waiting for (its process group, with
+    its stacks in its log); later launches start none."""
     with _LOCK:
         _STOPPED.set()
-        for pgid in list(_RUNNING):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
+        _abort(list(_RUNNING))
 
 
 def stop_on_sigterm() -> None:
@@ -109,14 +122,15 @@ def launch(case: dict, work: Path, stem: str, env: dict[str, str]) -> dict:
         if _STOPPED.is_set():
             return {"error": f"{stem}: not started, the test run is stopping"}
         proc = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), str(case_file),
-                                 str(out_file)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                 str(out_file)], env=dict(env, PYTHONFAULTHANDLER="1"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         _RUNNING.add(proc.pid)
     try:
         log, _ = proc.communicate(timeout=limit)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _abort([proc.pid])
         log, _ = proc.communicate()
         timed_out = True
     finally:
