@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=_positive, default=1,
                    help="start each vLLM path's server this many times, the paths in turn "
                         "(A B A B); engine.md gives each figure's median and range")
+    p.add_argument("--consistency", type=int, default=wl.CONSISTENCY_PROMPTS, metavar="N",
+                   help="after each vLLM server's workloads, N prompts at once, their decode "
+                        "against their prefill (bench/engine/consistency.py; 0: not run)")
     p.add_argument("--start-together", type=_positive_float, metavar="KV_GIB",
                    help="start a file's vLLM servers at once, each with a KV cache of "
                         "KV_GIB GiB, where the first of them stands in --paths, and measure "

@@ -1053,3 +1053,166 @@ def test_run_script_passes_one_paths_argument(tmp_path, extra, shown):
     run = next(line for line in r.stdout.splitlines()
                if line.startswith("ARGS") and " run " in line)
     assert run.count("--paths") == 1 and shown in run, run
+
+
+class _FakeCompletions:
+    """An OpenAI completions endpoint over a made-up model: the token after
+    a prefix is a function of the prefix, its logprob another. ``offset``
+    shifts the logprobs of decoded tokens after the first, ``wrong`` makes
+    them the token after the right one: a decode path off by that much."""
+
+    def __init__(self, vocab: int, offset: float = 0.0, wrong: bool = False):
+        self.vocab, self.offset, self.wrong = vocab, offset, wrong
+        self.batches: list[int] = []
+
+    def next_token(self, prefix: list[int]) -> int:
+        return (sum(prefix) * 7 + len(prefix)) % self.vocab
+
+    @staticmethod
+    def logprob(prefix: list[int], token: int) -> float:
+        return -((sum(prefix) + token) % 13) / 10
+
+    def complete(self, body: dict) -> dict:
+        assert body["model"] == wl.SERVED_NAME and body["temperature"] == 0
+        assert body["return_tokens_as_token_ids"] and body["logprobs"] == 1
+        prompt = list(body["prompt"])
+        if body.get("echo"):
+            assert body["max_tokens"] == 1
+            tokens = [f"token_id:{t}" for t in prompt]
+            lps = [None] + [self.logprob(prompt[:i], prompt[i]) for i in range(1, len(prompt))]
+            tops = [None] + [{f"token_id:{self.next_token(prompt[:i])}": -0.01,
+                              f"token_id:{(self.next_token(prompt[:i]) + 1) % self.vocab}":
+                              -5.0} for i in range(1, len(prompt))]
+            return {"choices": [{"logprobs": {"tokens": tokens, "token_logprobs": lps,
+                                              "top_logprobs": tops}}]}
+        assert body["ignore_eos"]
+        seq, ids, lps = list(prompt), [], []
+        for k in range(body["max_tokens"]):
+            t = self.next_token(seq)
+            if k and self.wrong:
+                t = (t + 1) % self.vocab
+            lps.append(self.logprob(seq, t) + (self.offset if k else 0.0))
+            ids.append(t)
+            seq.append(t)
+        return {"choices": [{"logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                          "token_logprobs": lps}}]}
+
+    def serve(self):
+        import http.server
+        import threading
+
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                assert self.path == "/v1/completions"
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                data = json.dumps(fake.complete(body)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+
+@pytest.mark.parametrize("offset,wrong,dlogprob,agree", [
+    (0.0, False, 0.0, 1.0),  # decode and prefill agree
+    (0.25, False, 0.25, 1.0),  # the decode step's logprobs off
+    # the decode step picks other tokens (each scored alike by both)
+    (0.0, True, 0.0, 0.0),
+], ids=["same", "logprobs-off", "tokens-off"])
+def test_consistency_holds_decode_to_prefill(offset, wrong, dlogprob, agree):
+    """consistency.check against a server: every continuation token after
+    the first compared, at the prefill's positions of that token; a decode
+    path that computes other logprobs or picks other tokens shows."""
+    from engine import consistency
+
+    fake = _FakeCompletions(vocab=5000, offset=offset, wrong=wrong)
+    server = fake.serve()
+    try:
+        w = wl.Workload("consistency-6", "consistency", 10, 5, 6, 6, warmup_prompts=0)
+        figures = consistency.check(f"http://127.0.0.1:{server.server_port}", w, 5000, 0)
+    finally:
+        server.shutdown()
+    assert figures["compared"] == 6 * 4
+    assert figures["top1_agree"] == agree
+    for key in ("dlogprob_p50", "dlogprob_p99", "dlogprob_max", "dlogprob_mean"):
+        assert figures[key] == pytest.approx(dlogprob, abs=1e-9), key
+
+
+def test_consistency_refuses_what_it_cannot_compare():
+    from engine import consistency
+
+    with pytest.raises(ValueError, match="3 tokens decoded, 2 prefilled"):
+        consistency.compare([([1, 2, 3], [0.0] * 3)], [([0.0] * 2, [1, 2])])
+    with pytest.raises(ValueError, match="output_len must be 2 or more"):
+        consistency.compare([([1], [0.0])], [([0.0], [1])])
+    w = wl.consistency(256)
+    prompts = consistency.prompts(w, 154_880, 0)
+    assert len(prompts) == 256 and {len(p) for p in prompts} == {64}
+    assert min(min(p) for p in prompts) >= 1000 and max(max(p) for p in prompts) < 154_880
+    assert prompts == consistency.prompts(w, 154_880, 0) != consistency.prompts(w, 154_880, 1)
+
+
+def test_a_run_checks_each_vllm_server_after_its_workloads(tmp_path, monkeypatch):
+    """--consistency N: after a vLLM server's workloads, N prompts at once
+    against it; the record's table "consistency" and engine.md's section
+    hold the figures; 0 runs none; llama.cpp is not checked."""
+    import argparse
+
+    from engine import run
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 5000}))
+    fake = _FakeCompletions(vocab=5000, offset=0.5)
+    server = fake.serve()
+    events = []
+    try:
+        for n in (8, 0):
+            args = argparse.Namespace(work=str(tmp_path / f"work{n}"),
+                                      results=str(tmp_path / f"results{n}"), quick=True,
+                                      budget_s=float("inf"), consistency=n)
+            plan = wl.plan(True, None, ["triton-fp16"], ["concurrent-32"])
+            runner = run.Runner(args, plan)
+            monkeypatch.setattr(runner, "bench", lambda w, port, hf, inputs, tag:
+                                events.append(("bench", w.name)))
+            monkeypatch.setattr(runner, "started", lambda server, kind="vllm": 100.0)
+
+            class Idle:
+                def text(self):
+                    return VLLM_LOG
+
+                def stop(self, wait_gpu=True):
+                    events.append(("stop",))
+
+            monkeypatch.setattr(run, "gpu_mib", lambda: None)
+            one = {"path": wl.PATHS["triton-fp16"], "server": Idle(),
+                   "port": server.server_port, "hf": hf, "cmd": ["vllm", "serve"],
+                   "tag": "t", "log": tmp_path / "log", "what": "glm5-tp8 q4_k_m triton-fp16",
+                   "inputs": {"checkpoint": "glm5-tp8", "type": "q4_k_m",
+                              "path": "triton-fp16"}}
+            runner.measure(one)
+            checks = [r for r in runner.data.rows if r["table"] == "consistency"]
+            if n == 0:
+                assert not checks
+                continue
+            assert events == [("bench", "concurrent-32"), ("stop",)]
+            (row,) = checks
+            assert row["inputs"]["workload"] == "consistency-8"
+            assert row["inputs"]["concurrency"] == 8
+            assert row["figures"]["compared"] == 8 * 23
+            assert row["figures"]["dlogprob_p50"] == pytest.approx(0.5)
+            assert row["figures"]["top1_agree"] == 1.0
+            md = (runner.folder / "engine.md").read_text()
+            assert "## Decode against prefill" in md
+            assert "| glm5-tp8 q4_k_m | triton-fp16 | 8 | 184 | 0.5000 |" in md
+    finally:
+        server.shutdown()

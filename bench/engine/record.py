@@ -221,6 +221,24 @@ def engine_md(run: dict, rows: list[dict]) -> str:
                      "prefill figures are not those of prompts computed in full."), ""]
         if rounds:
             out += across_rounds(serve)
+    checks = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "consistency"]
+    if checks:
+        out += ["## Decode against prefill", "",
+                ("Each prompt's continuation, decoded in batches of as many sequences, "
+                 "again as a prompt: |decode logprob − prefill logprob| of each token "
+                 "after the first, and how often the prefill's top-1 is the token decoded "
+                 "(bench/engine/consistency.py)."), ""]
+        out += table(
+            ["file", "path", "sequences", "tokens compared", "|Δ| p50", "|Δ| p99", "|Δ| max",
+             "top-1 agree %"],
+            "llrrrrrr",
+            [[f"{i['checkpoint']} {i['type']}", path_of(i), str(i["concurrency"]),
+              fmt(f.get("compared"), ","), fmt(f.get("dlogprob_p50"), ".4f"),
+              fmt(f.get("dlogprob_p99"), ".4f"), fmt(f.get("dlogprob_max"), ".4f"),
+              fmt(100 * f["top1_agree"] if f.get("top1_agree") is not None else None, ".1f")]
+             for i, f in checks],
+        )  # fmt: skip
+        out.append("")
     lb = [(r["inputs"], r["figures"]) for r in rows if r["table"] == "llama_bench"]
     if lb:
         out += ["## llama-bench (llama.cpp's own tool, same files)", ""]

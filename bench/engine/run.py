@@ -8,7 +8,9 @@ from nvidia-smi. With --start-together, a file's vLLM servers start at
 once, where the first of them stands in that order, each with a KV cache
 of that size, and are measured in turn while the others wait idle: one
 start's wait for all of them, where device time is short. llama.cpp
-listed first runs before them (its server starts in seconds).
+listed first runs before them (its server starts in seconds). After a
+vLLM server's workloads, --consistency holds its decode to its prefill
+on the same tokens (consistency.py; table "consistency").
 The data file is rewritten after every workload, so a run cut short
 (device time, --budget-s) keeps what it measured."""
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from benchdata import BenchData, environment, portable_path, results_dir
 
-from . import parse, record
+from . import consistency, parse, record
 from . import spec as specs
 from . import workloads as wl
 
@@ -276,6 +278,18 @@ class Runner:
         # a run cut short (device time, a lost machine) keeps every measured workload
         self.save()
 
+    def consistency(self, w: wl.Workload, port: int, hf: Path, inputs: dict) -> None:
+        """The server's decode against its prefill (consistency.py)."""
+        print(f"[bench-engine] {inputs['path']} {w.name}", flush=True)
+        vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+        t0 = time.monotonic()
+        figures = consistency.check(f"http://127.0.0.1:{port}", w, vocab, wl.SEED)
+        figures["seconds"] = round(time.monotonic() - t0, 1)
+        self.data.row("consistency", {**inputs, "workload": w.name,
+                                      "input_len": w.input_len, "output_len": w.output_len,
+                                      "concurrency": w.concurrency}, **figures)
+        self.save()
+
     # -- paths ----------------------------------------------------------------
 
     def vllm(self, path: str, name: str, gtype: str, gguf: Path, hf: Path,
@@ -342,6 +356,9 @@ class Runner:
                 if self.skip(f"{one['what']} {w.name}"):
                     break
                 self.bench(w, one["port"], one["hf"], inputs, one["tag"])
+            n = getattr(self.args, "consistency", 0)
+            if n and not self.skip(f"{one['what']} consistency-{n}"):
+                self.consistency(wl.consistency(n), one["port"], one["hf"], inputs)
             row["gpu_mib_peak"] = peak.peak
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             self.data.notes.append(f"{one['what']}: {type(e).__name__}: "

@@ -31,7 +31,9 @@ SEED = 0
 @dataclass(frozen=True)
 class Workload:
     name: str
-    kind: str  # "single" (one stream, decode at a context), "concurrent", "prefill"
+    # "single" (one stream, decode at a context), "concurrent", "prefill";
+    # "consistency" (consistency.py, not `vllm bench serve`)
+    kind: str
     input_len: int
     output_len: int
     concurrency: int
@@ -70,6 +72,15 @@ WORKLOADS = {
     ]
 }
 QUICK_WORKLOADS = ["single-4k", "concurrent-32", "prefill-16k"]
+# After a vLLM server's workloads: its decode against its prefill
+# (consistency.py), this many prompts at once (decode batches of as many
+# sequences: 256 is past the grouped and vector kernels' crossover, inside
+# the captured sizes), 64 tokens each, 24 decoded.
+CONSISTENCY_PROMPTS = 256
+
+
+def consistency(n: int) -> Workload:
+    return Workload(f"consistency-{n}", "consistency", 64, 24, n, n, warmup_prompts=0)
 
 
 def prompt_seed(w: Workload, warmup: bool = False) -> int:
