@@ -486,6 +486,7 @@ EXPECTED_ON_0_24 = {  # patch number: (status, text in the detail)
     "0047": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0048": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
     "0049": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
+    "0050": (rb.OBSOLETE, "vllm/model_executor/model_loader/gguf_loader.py"),
 }
 
 

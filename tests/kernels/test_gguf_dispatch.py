@@ -518,6 +518,83 @@ def test_moe_vec_in_a_graph_being_captured_needs_a_run_outside_one(monkeypatch):
                                              "vec"]
 
 
+@pytest.mark.parametrize("switch,types,grouped", [
+    ("series", ("IQ2_XXS",) * 3, True), ("fused", ("IQ2_XXS",) * 3, True),
+    ("ggml", ("IQ2_XXS",) * 3, False), ("upstream", ("IQ2_XXS",) * 3, False),
+    ("series", ("IQ2_XXS", "IQ2_XXS", "IQ3_XXS"), False)], ids=str)
+def test_the_moe_op_takes_the_grouped_kernel_between_its_bounds(switch, types, grouped,
+                                                                 monkeypatch):
+    """_fused_moe_gguf: batches of GEMM_MIN_PAIRS to GEMM_MAX_PAIRS
+    token-expert rows (here 12-14 tokens of top-3) of a layer whose experts
+    are all of GEMM_TYPES take gguf_moe_vec's grouped kernel for both
+    projections, with VLLM_GGUF_KERNELS series and fused; other batches and
+    layers the paths they took before. The result is the layer's."""
+    from vllm.model_executor.layers.quantization import gguf_moe_vec
+    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
+
+    mod = _module()
+    monkeypatch.setenv("VLLM_GGUF_KERNELS", switch)
+    monkeypatch.setattr(mod, "_VEC_READY", set())
+    monkeypatch.setattr(mod, "_GEMM_READY", set())
+    monkeypatch.setattr(gguf_moe_vec, "GEMM_MIN_PAIRS", 12 * TOP_K)
+    monkeypatch.setattr(gguf_moe_vec, "GEMM_MAX_PAIRS", 14 * TOP_K)
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    raw, values = experts(types)
+    qt = [int(QType[t]) for t in types]
+    for tokens in (11, 12, 14, 15):
+        x, topk_weights, topk_ids = batch(tokens, torch.float16, seed=tokens)
+        kernels.calls.clear()
+        out = _fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights, topk_ids,
+                              qt[0], qt[2], "silu")
+        took = grouped and 12 <= tokens <= 14
+        gemm = [("gemm_triton", types[0]), ("gemm_triton", types[2])]
+        assert (kernels.calls == gemm) == took, (tokens, kernels.calls)
+        # the grouped kernel and the vector one read q8 activations; ggml's
+        # CPU stand-in the activations as they are
+        q8 = tuple(took or (switch in ("series", "fused") and gguf_moe_vec.takes(
+            QType[t], k, tokens)) for t, k in zip(types, (HIDDEN, HIDDEN, INTER)))
+        ref = moe_reference(x, *values, topk_weights, topk_ids, q8=q8)
+        # the down projection reads the activation rounded to fp16 and
+        # quantized again, the reference its fp64: a byte may round the
+        # other way (the vector path on these batches: up to 4.7e-3)
+        assert_close_to(out, ref, 6e-3, f"{tokens} tokens")
+
+
+def test_the_grouped_kernel_in_a_graph_being_captured_needs_a_run_outside_one(monkeypatch):
+    """Capturing a CUDA graph, a layer takes the grouped kernel only where
+    a batch like it (types, shapes, top-k, dtype, alignment) ran it outside
+    a graph before (vLLM warms each size up before capturing it); else the
+    vector path, as before."""
+    from vllm.model_executor.layers.quantization import gguf_moe_vec
+    from vllm.model_executor.layers.quantization.gguf import _fused_moe_gguf
+
+    mod = _module()
+    monkeypatch.delenv("VLLM_GGUF_KERNELS", raising=False)
+    monkeypatch.setattr(mod, "_VEC_READY", set())
+    monkeypatch.setattr(mod, "_GEMM_READY", set())
+    monkeypatch.setattr(gguf_moe_vec, "GEMM_MIN_PAIRS", 12 * TOP_K)
+    capturing = [False]
+    monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
+    kernels = CpuGgufMoeOps().install(monkeypatch)
+    raw, _ = experts(("IQ2_XXS",) * 3)
+    iq2 = int(QType.IQ2_XXS)
+    x, topk_weights, topk_ids = batch(12, torch.float16, seed=3)
+
+    def layer(x=x):
+        kernels.calls.clear()
+        _fused_moe_gguf(x, torch.cat(raw[:2], dim=1), raw[2], topk_weights, topk_ids, iq2,
+                        iq2, "silu")
+        return [k for k, _ in kernels.calls]
+
+    capturing[0] = True
+    assert "gemm_triton" not in layer()
+    capturing[0] = False
+    assert layer() == ["gemm_triton"] * 2
+    capturing[0] = True
+    assert layer() == ["gemm_triton"] * 2
+    assert "gemm_triton" not in layer(x.float())  # another dtype: another kernel
+
+
 @pytest.mark.parametrize("switch", ["series", "ggml", "upstream"])
 def test_the_moe_op_takes_the_float_path_from_the_threshold(switch, monkeypatch):
     """_fused_moe_gguf above the threshold: dequantize + fused MoE, no ggml

@@ -199,7 +199,8 @@ class CpuGgufMoeOps:
     the kernel writes its output. They check the calling convention the
     kernels rely on, leave the rows a kernel would not write NaN, and record
     each GEMM as (kernel, type name) in ``calls``, the series' Triton vector
-    kernel (gguf_moe_vec, run as it is) as "vec_triton". ``known`` holds values
+    kernel (gguf_moe_vec, run as it is) as "vec_triton", its grouped kernel
+    as "gemm_triton". ``known`` holds values
     already dequantized, by (data_ptr, type) of their blocks."""
 
     def __init__(self) -> None:
@@ -232,6 +233,16 @@ class CpuGgufMoeOps:
             return kernel(x, w, topk_ids, top_k, qtype, rows, **kwargs)
 
         monkeypatch.setattr(gguf_moe_vec, "moe_vec", moe_vec)
+        gemm = gguf_moe_vec.moe_gemm
+
+        def moe_gemm(x, w, qtype, rows, *args, **kwargs):
+            self.calls.append(("gemm_triton", QType(qtype).name))
+            # wide outputs: fewer programs for the interpreter (the kernel's
+            # own tile: tests/kernels/test_gguf_moe_vec.py)
+            kwargs.setdefault("tile", (gguf_moe_vec.GEMM_BLOCK_M, 128, 4, 8))
+            return gemm(x, w, qtype, rows, *args, **kwargs)
+
+        monkeypatch.setattr(gguf_moe_vec, "moe_gemm", moe_gemm)
         return self
 
     def _weights(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
